@@ -1,0 +1,1 @@
+"""Data: litdata corpora, packing and sparsity-aware batching."""
