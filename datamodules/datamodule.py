@@ -1,0 +1,152 @@
+"""The LightningDataModule: a litdata corpus (built on first use) served as packed, planned micro-batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import numpy as np
+from torch.utils.data import DataLoader, Dataset
+
+from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
+from sparsebalance_pl.datamodules.packing import collate_packed
+from sparsebalance_pl.datamodules.sampler import PlannedBatchSampler
+from sparsebalance_pl.datamodules.synthetic import LengthPrior
+from sparsebalance_pl.datamodules.tokenizer import load_tokenizer
+from sparsebalance_pl.errors import ConfigError
+
+
+class StreamingMapView(Dataset):
+    """Map-style access to a litdata StreamingDataset by global index (it is an IterableDataset otherwise).
+
+    ``len`` is the whole dataset: litdata's own ``len`` is the current rank's shard.
+    """
+
+    def __init__(self, path: Path, num_samples: int) -> None:
+        import litdata
+
+        self.stream = litdata.StreamingDataset(str(path))
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict:
+        return self.stream[index]
+
+
+class LongContextDataModule(L.LightningDataModule):
+    """Variable-length documents packed into per-rank micro-batches of at most ``max_tokens`` tokens.
+
+    ``prepare_data`` builds ``data_dir/{train,val}`` as litdata datasets when they are missing or were built
+    from another configuration: from the built-in synthetic corpus (``source: synthetic``) or from a local
+    folder of ``.txt``/``.jsonl`` files (``source: folder``, ``text_dir``). The StreamingDatasets are opened in
+    the dataloader hooks, after the processes have started, as litdata requires. Lightning's distributed
+    sampler must be off (``trainer.use_distributed_sampler: false``): the batch sampler shards the plan.
+
+    Args:
+        data_dir: where the litdata dataset lives (built there if missing).
+        source: ``synthetic`` or ``folder``.
+        text_dir: the folder of text files for ``source: folder``.
+        tokenizer: ``byte``, ``qwen-tiktoken`` or a local Hugging Face tokenizer directory.
+        num_documents: size of the synthetic corpus (train and validation together).
+        length_distribution: ``wlbllm``, ``prolong`` or a JSON file of lengths (synthetic corpus).
+        max_doc_tokens: longest document; longer ones are split into pieces of this length.
+        max_tokens: tokens per micro-batch on one rank (at least ``max_doc_tokens``).
+        val_fraction: fraction of documents (or files) held out for validation.
+        seed: seed of the corpus and of the per-epoch shuffling.
+        num_workers: dataloader worker processes per rank.
+        build_workers: processes used to build the litdata dataset.
+    """
+
+    def __init__(
+        self,
+        data_dir: str = "data/demo",
+        source: Literal["synthetic", "folder"] = "synthetic",
+        text_dir: str | None = None,
+        tokenizer: str = "byte",
+        num_documents: int = 4000,
+        length_distribution: str = "wlbllm",
+        max_doc_tokens: int = 4096,
+        max_tokens: int = 4096,
+        val_fraction: float = 0.02,
+        seed: int = 0,
+        num_workers: int = 0,
+        build_workers: int = 1,
+    ) -> None:
+        super().__init__()
+        if source not in ("synthetic", "folder"):
+            raise ConfigError(f"data.source={source!r} is unknown; allowed: 'synthetic', 'folder'")
+        if max_doc_tokens < 2:
+            raise ConfigError(f"data.max_doc_tokens={max_doc_tokens} must be at least 2")
+        if max_tokens < max_doc_tokens:
+            raise ConfigError(
+                f"data.max_tokens={max_tokens} is below data.max_doc_tokens={max_doc_tokens}: the longest allowed "
+                "document must fit in one micro-batch; raise max_tokens or lower max_doc_tokens"
+            )
+        if not 0.0 <= val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={val_fraction} must lie in [0, 1)")
+        if source == "synthetic" and num_documents < 2:
+            raise ConfigError(f"data.num_documents={num_documents} must be at least 2")
+        self.source = FolderSource.scan(text_dir) if source == "folder" else SyntheticSource(
+            num_documents=num_documents, length_distribution=length_distribution, seed=seed
+        )
+        if source == "synthetic":
+            LengthPrior.load(length_distribution)  # fail now, not in prepare_data, on a bad distribution
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.tokenizer_spec = tokenizer
+        self.data_dir = Path(data_dir)
+        self.max_doc_tokens = max_doc_tokens
+        self.max_tokens = max_tokens
+        self.val_fraction = val_fraction
+        self.seed = seed
+        self.num_workers = num_workers
+        self.build_workers = build_workers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def prepare_data(self) -> None:
+        build_splits(
+            str(self.data_dir),
+            self.source,
+            tokenizer_spec=self.tokenizer_spec,
+            max_doc_tokens=self.max_doc_tokens,
+            val_fraction=self.val_fraction,
+            num_workers=self.build_workers,
+        )
+
+    def lengths(self, split: str) -> np.ndarray:
+        return load_lengths(self.data_dir / split)
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        lengths = self.lengths(split)
+        trainer = self.trainer
+        num_ranks = trainer.world_size if trainer is not None else 1
+        rank = trainer.global_rank if trainer is not None else 0
+        sampler = PlannedBatchSampler(
+            lengths,
+            max_tokens=self.max_tokens,
+            num_ranks=num_ranks,
+            rank=rank,
+            seed=self.seed,
+            shuffle=shuffle,
+        )
+        return DataLoader(
+            StreamingMapView(self.data_dir / split, len(lengths)),
+            batch_sampler=sampler,
+            collate_fn=collate_packed,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)

@@ -1,0 +1,188 @@
+"""Packed-sequence attention for Hugging Face Qwen2, plugged in through transformers' AttentionInterface.
+
+Qwen2 calls the registered function with q, k, v as [1, H, T, D] (KV heads not repeated) and no mask, so
+the function applies causality and document boundaries itself from the ``AttentionContext`` that the
+LightningModule passes as a model keyword argument (``sb_context``). Two backends:
+
+- ``dense``: exact causal attention within each document (PyTorch SDPA per document);
+- ``sparse``: XAttention-style block selection then block-sparse attention (``sparsebalance_pl.kernels``).
+
+The context also carries the per-layer budgets (moved by dynamic sparsity tuning), caches the chosen masks
+so an activation-checkpointing recomputation reuses exactly the same mask, and collects per-layer density and
+estimated recall for logging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from sparsebalance_pl.errors import ConfigError
+
+ATTN_IMPLEMENTATION = "sparsebalance"
+AttentionBackend = Literal["dense", "sparse"]
+KernelBackend = Literal["auto", "torch", "triton"]
+
+
+@dataclass
+class AttentionConfig:
+    """How attention is computed.
+
+    Args:
+        backend: ``dense`` (exact) or ``sparse`` (block selection + block-sparse attention).
+        block_size: tokens per block for selection and sparse attention (power of two, 16..256).
+        tau: top-p threshold in (0, 1]: each query block keeps the fewest key blocks whose estimated
+            attention mass reaches this fraction of its row (1.0 keeps every causal block).
+        stride: antidiagonal scoring stride of the selection (power of two dividing block_size).
+        max_density: optional cap on the kept fraction of causal blocks per query row, in (0, 1].
+        kernel_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
+    """
+
+    backend: AttentionBackend = "sparse"
+    block_size: int = 64
+    tau: float = 0.9
+    stride: int = 16
+    max_density: float | None = None
+    kernel_backend: KernelBackend = "auto"
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("dense", "sparse"):
+            raise ConfigError(f"attention.backend={self.backend!r} is unknown; allowed: 'dense', 'sparse'")
+        if self.kernel_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(
+                f"attention.kernel_backend={self.kernel_backend!r} is unknown; allowed: 'auto', 'torch', 'triton'"
+            )
+        if not _is_power_of_two(self.block_size) or not 16 <= self.block_size <= 256:
+            raise ConfigError(
+                f"attention.block_size={self.block_size} must be a power of two between 16 and 256"
+            )
+        if not _is_power_of_two(self.stride) or self.stride > self.block_size:
+            raise ConfigError(
+                f"attention.stride={self.stride} must be a power of two no larger than "
+                f"attention.block_size={self.block_size}"
+            )
+        if not 0.0 < self.tau <= 1.0:
+            raise ConfigError(f"attention.tau={self.tau} must lie in (0, 1]")
+        if self.max_density is not None and not 0.0 < self.max_density <= 1.0:
+            raise ConfigError(f"attention.max_density={self.max_density} must lie in (0, 1] or be null")
+
+
+def _is_power_of_two(n: int) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+@dataclass
+class LayerBudget:
+    """The sparse-attention budget of one layer: top-p threshold and optional density cap."""
+
+    tau: float
+    max_density: float | None = None
+
+
+@dataclass
+class LayerStats:
+    """What one layer's selection kept, as tensors (no host sync inside the forward)."""
+
+    density: torch.Tensor
+    estimated_recall: torch.Tensor
+
+
+@dataclass
+class AttentionContext:
+    """Per-forward state of the attention function, created by the module for each micro-batch."""
+
+    cu_seqlens: torch.Tensor
+    config: AttentionConfig
+    budgets: list[LayerBudget]
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    stats: dict[int, LayerStats] = field(default_factory=dict)
+
+    def mean_density(self) -> float | None:
+        return _mean_of(s.density for s in self.stats.values())
+
+    def mean_estimated_recall(self) -> float | None:
+        return _mean_of(s.estimated_recall for s in self.stats.values())
+
+
+def _mean_of(values) -> float | None:
+    values = list(values)
+    return float(torch.stack([v.float() for v in values]).mean()) if values else None
+
+
+def varlen_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Exact causal attention within each document of a packed stream; q [T, Hq, D], k/v [T, Hkv, D]."""
+    bounds = cu_seqlens.tolist()
+    enable_gqa = q.shape[1] != k.shape[1]
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        qd, kd, vd = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+        outputs.append(out[0].transpose(0, 1))
+    return torch.cat(outputs, dim=0)
+
+
+def _sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx: AttentionContext, scale: float | None
+) -> torch.Tensor:
+    from sparsebalance_pl.kernels import block_sparse_attention, select_blocks
+
+    cfg = ctx.config
+    mask = ctx.masks.get(layer)
+    if mask is None:
+        budget = ctx.budgets[layer]
+        with torch.no_grad():
+            mask, stats = select_blocks(
+                q.detach(),
+                k.detach(),
+                ctx.cu_seqlens,
+                block_size=cfg.block_size,
+                tau=budget.tau,
+                stride=cfg.stride,
+                max_density=budget.max_density,
+                return_stats=True,
+            )
+        ctx.masks[layer] = mask
+        ctx.stats[layer] = LayerStats(density=stats.mean_density(), estimated_recall=stats.mean_kept_mass())
+    return block_sparse_attention(
+        q, k, v, mask, ctx.cu_seqlens, block_size=cfg.block_size, scale=scale, backend=cfg.kernel_backend
+    )
+
+
+def sparsebalance_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sb_context: AttentionContext | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function registered with transformers; returns [1, T, H, D] like Hugging Face's own backends."""
+    if sb_context is None:
+        raise RuntimeError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the model to be called with "
+            "sb_context=AttentionContext(...) (the SparseQwen module does this)"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects one packed stream per call, got batch size {query.shape[0]}")
+    if attention_mask is not None:
+        raise ValueError("packed attention applies document and causal masking itself; pass no attention_mask")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    if sb_context.config.backend == "dense":
+        out = varlen_causal_attention(q, k, v, sb_context.cu_seqlens, scaling)
+    else:
+        out = _sparse_attention(q, k, v, module.layer_idx, sb_context, scaling)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, sparsebalance_attention)

@@ -1,0 +1,9 @@
+"""Errors that end a run with one clear message instead of a traceback (see ``cli.main``)."""
+
+
+class ConfigError(ValueError):
+    """A setting has a value that cannot work; the message names the setting and what is allowed."""
+
+
+class DataError(ValueError):
+    """Input data cannot be used; the message names the file or sample concerned."""
