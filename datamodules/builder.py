@@ -130,7 +130,8 @@ def build_splits(
     val_fraction: float,
     num_workers: int = 1,
 ) -> None:
-    """Build ``out_dir/train`` and ``out_dir/val`` unless they exist and match this configuration."""
+    """Build ``out_dir/train`` and ``out_dir/val`` (none when ``val_fraction`` is 0) unless they exist and
+    match this configuration."""
     manifest = {
         "source": source.describe(),
         "tokenizer": tokenizer_spec,
@@ -152,8 +153,9 @@ def build_splits(
         items = list(source.files)
         fn = partial(_folder_samples, tokenizer_spec=tokenizer_spec, max_doc_tokens=max_doc_tokens)
     train_items, val_items = _split(items, val_fraction, getattr(source, "seed", 0))
-    for split, split_items in (("train", train_items), ("val", val_items)):
-        _optimize(fn, split_items, root / split, num_workers)
+    _optimize(fn, train_items, root / "train", num_workers)
+    if val_fraction > 0:
+        _optimize(fn, val_items, root / "val", num_workers)
     (root / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 

@@ -145,8 +145,8 @@ class LongContextDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
+    def val_dataloader(self) -> DataLoader | list:
+        return self._loader("val", shuffle=False) if self.val_fraction > 0 else []
 
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
+    def test_dataloader(self) -> DataLoader | list:
+        return self.val_dataloader()

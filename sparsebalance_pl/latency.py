@@ -6,12 +6,14 @@ layers, forward and backward, plus LM head and loss::
 
     T = s_tok * N * (L*a + h)                 "tokens":    projections, MLP, norms per layer; head + loss
       + s_att * L * sum_i c(n_i, rho_i)       "attention": block-sparse attention core, one document
-      + s_sel * L * sum_i e(n_i)              "selection": block selection (independent of density)
+      + s_sel * L * e(N)                      "selection": block selection (independent of density)
       + s_fix * (L*d + d0)                    "overhead":  fixed per layer and per micro-batch
 
 with N = sum_i n_i tokens and L layers. c is a profiled table over (length, density), interpolated
 log-log in length and linearly in density (attention is close to linear in kept tiles); e a profiled
-curve over length. The scales s start at 1 and are corrected online by ``observe`` (an extended Kalman
+curve over length. Selection scores the whole packed stream (``selection_scope="stream"``, quadratic in
+N, as ``select_blocks`` does today) or each document on its own (``"document"``: sum_i e(n_i)); the
+profiler measures which. The scales s start at 1 and are corrected online by ``observe`` (an extended Kalman
 filter on their logarithms, so a table from other hardware or the analytic FLOP prior becomes accurate
 after a few steps). Every table is made monotone in length and density on construction, so predictions
 are too, and ``density_for`` can invert them exactly.
@@ -100,11 +102,13 @@ class LatencyTable:
         densities: densities of the grid (increasing, in (0, 1], ending at 1).
         attention: [len(lengths), len(densities)] forward+backward seconds of one layer's attention core on
             one document of that length with that fraction of its causal blocks kept.
-        selection: [len(lengths)] seconds of one layer's block selection on one document.
+        selection: [len(lengths)] seconds of one layer's block selection on a stream of one document.
         token_layer: seconds per token of one layer without its attention core (forward+backward).
         token_head: seconds per token of embedding, final norm, LM head and loss (forward+backward).
         layer_overhead: fixed seconds per layer and micro-batch.
         model_overhead: fixed seconds per micro-batch outside the layers.
+        selection_scope: "stream" when selection cost follows the packed stream's total length,
+            "document" when it is the sum over documents.
     """
 
     meta: TableMeta
@@ -116,6 +120,7 @@ class LatencyTable:
     token_head: float
     layer_overhead: float = 0.0
     model_overhead: float = 0.0
+    selection_scope: str = "stream"
 
     def __post_init__(self) -> None:
         self.lengths = np.asarray(self.lengths, dtype=np.float64)
@@ -140,6 +145,8 @@ class LatencyTable:
             return "densities must lie in (0, 1] and end at 1.0"
         if self.attention.shape != (n, k):
             return f"attention has shape {self.attention.shape}, expected {(n, k)}"
+        if self.selection_scope not in ("stream", "document"):
+            return f"selection_scope is {self.selection_scope!r}, expected 'stream' or 'document'"
         if self.selection.shape != (n,):
             return f"selection has shape {self.selection.shape}, expected {(n,)}"
         scalars = (self.token_layer, self.token_head, self.layer_overhead, self.model_overhead)
@@ -160,6 +167,7 @@ class LatencyTable:
             "token_head": self.token_head,
             "layer_overhead": self.layer_overhead,
             "model_overhead": self.model_overhead,
+            "selection_scope": self.selection_scope,
         }
 
     @classmethod
@@ -173,6 +181,7 @@ class LatencyTable:
                 meta=meta,
                 **{name: data[name] for name in ("lengths", "densities", "attention", "selection")},
                 **{name: float(data[name]) for name in ("token_layer", "token_head", "layer_overhead", "model_overhead")},
+                selection_scope=data["selection_scope"],
             )
         except (KeyError, TypeError, ValueError) as err:
             if isinstance(err, LatencyTableError):
@@ -264,14 +273,18 @@ class LatencyModel:
     def num_layers(self) -> int:
         return self.table.meta.dims["num_layers"]
 
-    @property
-    def overhead(self) -> float:
-        """Fixed seconds per micro-batch: part of ``predict``, not of ``doc_costs``."""
-        return float(self._overhead_raw() * self.calibration.scales[3])
-
     def doc_costs(self, lengths: ArrayLike, density: ArrayLike) -> np.ndarray:
-        """Seconds each document adds to its micro-batch; their sum plus ``overhead`` is ``predict``."""
+        """Seconds each document adds to its micro-batch, for planners that add costs up.
+
+        ``predict`` is their sum plus ``batch_cost`` of the micro-batch's token count (fixed overhead and,
+        with stream-scoped selection, the selection cost); for ranks with similar token counts that part is
+        nearly the same everywhere.
+        """
         return self._doc_terms(lengths, density) @ self.calibration.scales[:3]
+
+    def batch_cost(self, num_tokens: float) -> float:
+        """Seconds of a micro-batch of ``num_tokens`` tokens that no single document accounts for."""
+        return float(self._batch_terms(num_tokens) @ self.calibration.scales[2:])
 
     def predict(self, doc_lengths: ArrayLike, density: ArrayLike) -> float:
         """Forward+backward seconds of the whole model on one micro-batch (all layers, head and loss)."""
@@ -314,7 +327,7 @@ class LatencyModel:
         return float(densities[j] + fraction * (densities[j + 1] - densities[j]))
 
     def _doc_terms(self, lengths: ArrayLike, density: ArrayLike) -> np.ndarray:
-        """Unscaled [docs, 3] seconds: tokens, attention, selection, summed over layers."""
+        """Unscaled [docs, 3] seconds over all layers: tokens, attention, document-scoped selection."""
         n = _as_lengths(lengths)
         rho = np.broadcast_to(np.asarray(density, dtype=np.float64), n.shape)
         if np.any(~np.isfinite(rho)) or np.any(rho <= 0):
@@ -322,23 +335,34 @@ class LatencyModel:
         t = self.table
         layers = self.num_layers
         present = n > 0
-        x = np.log(np.maximum(n, 1.0))
-        idx, offset, width = _segments(self._log_lengths, x)
+        idx, offset, width = _segments(self._log_lengths, np.log(np.maximum(n, 1.0)))
         rho = np.clip(rho, self.min_density, 1.0)
         j = np.clip(np.searchsorted(t.densities, rho, side="right") - 1, 0, len(t.densities) - 2)
         u = (rho - t.densities[j]) / (t.densities[j + 1] - t.densities[j])
         log_att = self._log_attention
         att = (1 - u) * _loglog(log_att[idx, j], log_att[idx + 1, j], offset, width)
         att += u * _loglog(log_att[idx, j + 1], log_att[idx + 1, j + 1], offset, width)
-        sel = _loglog(self._log_selection[idx], self._log_selection[idx + 1], offset, width)
+        sel = self._selection(n) if t.selection_scope == "document" else np.zeros_like(n)
         tokens = n * (layers * t.token_layer + t.token_head)
         return np.stack([tokens, layers * att * present, layers * sel * present], axis=1)
 
-    def _overhead_raw(self) -> float:
-        return self.num_layers * self.table.layer_overhead + self.table.model_overhead
+    def _batch_terms(self, num_tokens: float) -> np.ndarray:
+        """Unscaled (stream-scoped selection, overhead) seconds of a micro-batch over all layers."""
+        t = self.table
+        stream = t.selection_scope == "stream" and num_tokens > 0
+        selection = self.num_layers * float(self._selection(np.array([num_tokens]))[0]) if stream else 0.0
+        return np.array([selection, self.num_layers * t.layer_overhead + t.model_overhead])
+
+    def _selection(self, n: np.ndarray) -> np.ndarray:
+        idx, offset, width = _segments(self._log_lengths, np.log(np.maximum(n, 1.0)))
+        return _loglog(self._log_selection[idx], self._log_selection[idx + 1], offset, width)
 
     def _raw_terms(self, doc_lengths: ArrayLike, density: ArrayLike) -> np.ndarray:
-        return np.append(self._doc_terms(doc_lengths, density).sum(axis=0), self._overhead_raw())
+        """Unscaled seconds per term (``TERMS``) of a whole micro-batch."""
+        docs = self._doc_terms(doc_lengths, density)
+        raw = np.append(docs.sum(axis=0), 0.0)
+        raw[2:] += self._batch_terms(float(_as_lengths(doc_lengths).sum()))
+        return raw
 
     # ---------------------------------------------------------------------------------------- calibration
     def observe(
@@ -483,6 +507,7 @@ class LatencyModel:
             token_head=token_head,
             layer_overhead=layer_overhead,
             model_overhead=layer_overhead,
+            selection_scope="stream",
         )
         return cls(table)
 

@@ -27,7 +27,7 @@ class ModelDims:
     num_kv_heads: int
     intermediate_size: int
     vocab_size: int
-    head_dim: int | None = None
+    head_dim: int | None = None  # None: hidden_size // num_heads
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = True
@@ -43,10 +43,8 @@ class ModelDims:
                 f"model.hidden_size={self.hidden_size} must be divisible by model.num_heads={self.num_heads} "
                 "(or set model.head_dim)"
             )
-
-    @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
 
     def to_hf_config(self, attn_implementation: str | None = None) -> Qwen2Config:
         return Qwen2Config(
@@ -56,7 +54,7 @@ class ModelDims:
             num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads,
-            head_dim=self.resolved_head_dim,
+            head_dim=self.head_dim,
             max_position_embeddings=self.max_position_embeddings,
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
             rms_norm_eps=self.rms_norm_eps,

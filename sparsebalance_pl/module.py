@@ -89,16 +89,16 @@ class SparseQwen(L.LightningModule):
 
     def __init__(
         self,
-        model: ModelConfig | None = None,
-        attention: AttentionConfig | None = None,
-        optim: OptimConfig | None = None,
+        model: ModelConfig = ModelConfig(),
+        attention: AttentionConfig = AttentionConfig(),
+        optim: OptimConfig = OptimConfig(),
         loss_chunk_tokens: int = 4096,
         activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
-        self.model_config = model or ModelConfig()
-        self.attention_config = attention or AttentionConfig()
-        self.optim_config = optim or OptimConfig()
+        self.model_config = model
+        self.attention_config = attention
+        self.optim_config = optim
         if loss_chunk_tokens <= 0:
             raise ConfigError(f"loss_chunk_tokens={loss_chunk_tokens} must be positive")
         self.loss_chunk_tokens = loss_chunk_tokens

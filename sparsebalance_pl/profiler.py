@@ -1,0 +1,357 @@
+"""Measure the latency table on this device, with the model's real dimensions and the real kernels.
+
+A table is only as good as the hardware and software it was measured on (the paper's stated limitation),
+so it is measured where it is used, in about a minute for the quick grid. Timed, forward + backward unless
+said otherwise:
+
+- attention core: ``block_sparse_attention`` on one document of each grid length, with masks made by
+  ``select_blocks(tau=1, max_density=rho)``, the same rule the training path uses to cap density;
+- selection: ``select_blocks`` on one document of each length (forward only, it is not differentiable),
+  and once on a stream of several documents, to tell whether its cost follows the stream or the documents;
+- the rest of a layer: a ``Qwen2DecoderLayer`` whose attention core is a no-op, at a few token counts
+  (slope: seconds per token; intercept: fixed seconds per layer);
+- embedding, final norm, LM head and chunked loss, at the same token counts.
+
+Each time is the fastest of a few repetitions after a warm-up: on a shared machine contention only ever
+adds time, so the minimum is the most repeatable estimate (the benchmark measures whole steps the same way).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import AttentionInterface
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
+
+from sparsebalance_pl.latency import LatencyModel, LatencyTable, TableMeta, cost_dims
+from sparsebalance_pl.loss import chunked_cross_entropy_sum
+from sparsebalance_pl.model import ModelDims
+
+log = logging.getLogger(__name__)
+
+NOOP_ATTENTION = "sparsebalance_profile_noop"
+#: Documents in the packed stream that decides the selection scope.
+SCOPE_DOCS = 8
+
+
+def _noop_attention(module, query, key, value, attention_mask, **kwargs):
+    """Stands in for the attention core: returns q in Hugging Face's output layout, still using k and v so
+    their projections get gradients as in training."""
+    return query.transpose(1, 2) + 0 * (key.mean() + value.mean()), None
+
+
+AttentionInterface.register(NOOP_ATTENTION, _noop_attention)
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """What to measure and how often.
+
+    Args:
+        lengths: document lengths for attention and selection (tokens).
+        densities: attention densities (must end at 1.0).
+        token_counts: stream lengths for the per-token fits (at least two).
+        repeats: timed repetitions per cell after the warm-up.
+        cell_seconds: stop repeating a cell once this much time went into it (the quick profile's bound).
+    """
+
+    lengths: tuple[int, ...]
+    densities: tuple[float, ...]
+    token_counts: tuple[int, ...]
+    repeats: int
+    cell_seconds: float
+
+    @classmethod
+    def quick(cls, max_length: int = 8192) -> ProfileGrid:
+        """About a minute for the CPU demo model: powers of two, four densities, two samples per cell."""
+        return cls(_powers_of_two(256, max_length), (0.05, 0.15, 0.4, 1.0), (1024, 4096), 2, 1.0)
+
+    @classmethod
+    def full(cls, max_length: int = 8192) -> ProfileGrid:
+        """Finer lengths (powers of two and their 1.5x), eight densities, five samples per cell."""
+        powers = _powers_of_two(128, max_length)
+        lengths = tuple(sorted({*powers, *(p * 3 // 2 for p in powers if p * 3 // 2 <= max_length)}))
+        densities = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
+        return cls(lengths, densities, (512, 1024, 2048, 4096), 5, 5.0)
+
+
+def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
+    return tuple(2**e for e in range(int(np.log2(low)), int(np.log2(high)) + 1))
+
+
+def device_name(device: torch.device | str) -> str:
+    """A name that changes when timings would: the GPU model, or the CPU model and torch's thread count."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model} ({torch.get_num_threads()} threads)"
+
+
+def library_versions() -> dict[str, str]:
+    versions = {}
+    for name in ("torch", "triton", "transformers"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def measure_seconds(fn: Callable[[], object], *, device: torch.device, repeats: int, budget: float) -> float:
+    """Fastest of up to ``repeats`` runs of ``fn`` after one warm-up run, stopping early after ``budget`` s.
+
+    A warm-up slower than ``budget`` counts as the only sample: such a call is long enough that its warm-up
+    cost is noise.
+    """
+
+    def once() -> float:
+        _synchronize(device)
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        return time.perf_counter() - start
+
+    first = once()
+    if first > budget:
+        return first
+    samples, spent = [], first
+    while len(samples) < repeats and (not samples or spent < budget):
+        samples.append(once())
+        spent += samples[-1]
+    return min(samples)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Bench:
+    """Builds the timed workloads of one profile: random inputs of the model's shapes on the device."""
+
+    def __init__(self, dims: ModelDims, device: torch.device, dtype: torch.dtype, block_size: int, stride: int):
+        self.dims, self.device, self.dtype = dims, device, dtype
+        self.block_size, self.stride = block_size, stride
+        self.head_dim = cost_dims(dims)["head_dim"]
+        config = dims.to_hf_config(NOOP_ATTENTION)
+        self.layer = Qwen2DecoderLayer(config, layer_idx=0).to(device, dtype)
+        self.rope = Qwen2RotaryEmbedding(config).to(device)
+        self.embedding = torch.nn.Embedding(dims.vocab_size, dims.hidden_size).to(device, dtype)
+        self.norm = Qwen2RMSNorm(dims.hidden_size, eps=dims.rms_norm_eps).to(device, dtype)
+        self.head_weight = (
+            self.embedding.weight
+            if dims.tie_word_embeddings
+            else torch.nn.Parameter(torch.randn_like(self.embedding.weight) * 0.02)
+        )
+
+    def _qkv(self, tokens: int, grad: bool) -> tuple[torch.Tensor, ...]:
+        shapes = (self.dims.num_heads, self.dims.num_kv_heads, self.dims.num_kv_heads)
+        return tuple(
+            torch.randn(tokens, h, self.head_dim, device=self.device, dtype=self.dtype, requires_grad=grad)
+            for h in shapes
+        )
+
+    def _cu_seqlens(self, tokens: int, docs: int = 1) -> torch.Tensor:
+        return torch.linspace(0, tokens, docs + 1, device=self.device).round().to(torch.int32)
+
+    def attention(self, length: int, density: float) -> Callable[[], None]:
+        from sparsebalance_pl.kernels import block_sparse_attention, select_blocks
+
+        q, k, v = self._qkv(length, grad=True)
+        cu = self._cu_seqlens(length)
+        mask = select_blocks(
+            q.detach(), k.detach(), cu, block_size=self.block_size, tau=1.0, stride=self.stride,
+            max_density=None if density >= 1.0 else density,
+        )
+        grad_out = torch.randn_like(q)
+
+        def run() -> None:
+            out = block_sparse_attention(q, k, v, mask, cu, block_size=self.block_size)
+            out.backward(grad_out)
+            q.grad = k.grad = v.grad = None
+
+        return run
+
+    def selection(self, tokens: int, docs: int = 1) -> Callable[[], None]:
+        from sparsebalance_pl.kernels import select_blocks
+
+        q, k, _ = self._qkv(tokens, grad=False)
+        cu = self._cu_seqlens(tokens, docs)
+        return lambda: select_blocks(q, k, cu, block_size=self.block_size, tau=0.9, stride=self.stride)
+
+    def layer_rest(self, tokens: int) -> Callable[[], None]:
+        x = torch.randn(1, tokens, self.dims.hidden_size, device=self.device, dtype=self.dtype, requires_grad=True)
+        positions = torch.arange(tokens, device=self.device)[None]
+
+        def run() -> None:
+            out = self.layer(x, position_embeddings=self.rope(x, positions), position_ids=positions)
+            (out[0] if isinstance(out, tuple) else out).sum().backward()
+            self.layer.zero_grad(set_to_none=True)
+            x.grad = None
+
+        return run
+
+    def head(self, tokens: int) -> Callable[[], None]:
+        ids = torch.randint(0, self.dims.vocab_size, (tokens,), device=self.device)
+
+        def run() -> None:
+            hidden = self.norm(self.embedding(ids))
+            loss, _ = chunked_cross_entropy_sum(hidden, self.head_weight, ids)
+            loss.backward()
+            self.embedding.zero_grad(set_to_none=True)
+            self.norm.zero_grad(set_to_none=True)
+
+        return run
+
+
+def profile_hardware(
+    dims: ModelDims,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    block_size: int = 64,
+    stride: int = 16,
+    quick: bool = True,
+    max_length: int = 8192,
+    grid: ProfileGrid | None = None,
+    progress: bool = True,
+    seed: int = 0,
+    output: str | Path | None = None,
+) -> LatencyModel:
+    """Profile this device for a model of ``dims`` and return the fitted ``LatencyModel`` (saved to ``output``).
+
+    ``grid`` overrides the quick (``quick=True``) or full grid up to ``max_length`` tokens per document.
+    """
+    device = torch.device(device)
+    grid = grid or (ProfileGrid.quick(max_length) if quick else ProfileGrid.full(max_length))
+    scope_tokens = grid.lengths[-2] if len(grid.lengths) > 2 else grid.lengths[-1]
+    cells = (
+        [("attention", n, rho) for n in grid.lengths for rho in grid.densities]
+        + [("selection", n, 1) for n in grid.lengths]
+        + [("selection", scope_tokens, SCOPE_DOCS), ("selection", scope_tokens // SCOPE_DOCS, 1)]
+        + [(part, n, None) for part in ("layer", "head") for n in grid.token_counts]
+    )
+    times: dict[tuple, float] = {}
+    columns = (TextColumn("profiling {task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), Progress(
+        *columns, disable=not progress, transient=False
+    ) as bar:
+        torch.manual_seed(seed)
+        bench = _Bench(dims, device, dtype, block_size, stride)
+        task = bar.add_task("", total=len(cells))
+        for cell in cells:
+            part, n, extra = cell
+            bar.update(task, description=f"{part} {n}" + (f" @ {extra:g}" if part == "attention" else ""))
+            if cell not in times:
+                workload = {
+                    "attention": lambda: bench.attention(n, extra),
+                    "selection": lambda: bench.selection(n, extra),
+                    "layer": lambda: bench.layer_rest(n),
+                    "head": lambda: bench.head(n),
+                }[part]()
+                times[cell] = measure_seconds(workload, device=device, repeats=grid.repeats, budget=grid.cell_seconds)
+            bar.advance(task)
+    model = LatencyModel(_table(times, grid, dims, device, dtype, block_size, stride, scope_tokens))
+    if output is not None:
+        model.save(output)
+    return model
+
+
+def _table(
+    times: dict[tuple, float],
+    grid: ProfileGrid,
+    dims: ModelDims,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    stride: int,
+    scope_tokens: int,
+) -> LatencyTable:
+    """Turn raw timings into a table: per-token fits by least squares, the selection scope by comparison."""
+    counts = np.asarray(grid.token_counts, dtype=np.float64)
+    token_layer, layer_overhead = _line([times[("layer", n, None)] for n in grid.token_counts], counts)
+    token_head, model_overhead = _line([times[("head", n, None)] for n in grid.token_counts], counts)
+    packed = times[("selection", scope_tokens, SCOPE_DOCS)]
+    one_doc = times[("selection", scope_tokens, 1)]
+    per_doc = SCOPE_DOCS * times[("selection", scope_tokens // SCOPE_DOCS, 1)]
+    scope = "stream" if abs(np.log(packed / one_doc)) <= abs(np.log(packed / per_doc)) else "document"
+    meta = TableMeta(
+        dims=cost_dims(dims),
+        block_size=block_size,
+        stride=stride,
+        device=device_name(device),
+        dtype=str(dtype).removeprefix("torch."),
+        versions=library_versions(),
+        source="profile",
+        notes={"grid": grid.__dict__, "selection_packed_vs_single": packed / one_doc},
+    )
+    return LatencyTable(
+        meta=meta,
+        lengths=np.asarray(grid.lengths, dtype=np.float64),
+        densities=np.asarray(grid.densities, dtype=np.float64),
+        attention=[[times[("attention", n, rho)] for rho in grid.densities] for n in grid.lengths],
+        selection=[times[("selection", n, 1)] for n in grid.lengths],
+        token_layer=token_layer,
+        token_head=token_head,
+        layer_overhead=layer_overhead,
+        model_overhead=model_overhead,
+        selection_scope=scope,
+    )
+
+
+def _line(seconds: list[float], counts: np.ndarray) -> tuple[float, float]:
+    """(seconds per token, fixed seconds) of a least-squares line through the timings, both kept >= 0."""
+    y = np.asarray(seconds)
+    slope = max(float(np.polyfit(counts, y, 1)[0]), 0.0)
+    return slope, max(float(np.mean(y - slope * counts)), 0.0)
+
+
+def latency_model_for_run(
+    path: str | Path,
+    dims: ModelDims,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+    block_size: int = 64,
+    stride: int = 16,
+    profile: bool = True,
+    max_length: int = 8192,
+    progress: bool = True,
+) -> LatencyModel:
+    """The latency model a training run starts from; never raises for a bad table.
+
+    Uses the table at ``path`` when it fits the model and kernels and was measured on this device;
+    otherwise runs the quick profile and saves it to ``path`` (``profile=True``), or, with profiling off,
+    takes a fitting table from another device or else the analytic prior. Online calibration corrects any
+    of them from measured times.
+    """
+    device = torch.device(device)
+    here = device_name(device)
+    model = LatencyModel.load_or_none(path, dims, block_size=block_size, stride=stride, device=here)
+    if model is not None and (model.table.meta.device == here or not profile):
+        return model
+    if profile:
+        log.warning("profiling the latency table for %s into %s (quick grid)", here, path)
+        return profile_hardware(
+            dims, device=device, dtype=dtype, block_size=block_size, stride=stride, quick=True,
+            max_length=max_length, progress=progress, output=path,
+        )
+    log.warning("no usable latency table at %s and profiling is off: using the analytic prior", path)
+    throughput = 5e10 if device.type == "cpu" else (2e14 if dtype in (torch.float16, torch.bfloat16) else 4e13)
+    return LatencyModel.analytic(dims, block_size=block_size, stride=stride, flops_per_second=throughput, device=here,
+                                 dtype=str(dtype).removeprefix("torch."))

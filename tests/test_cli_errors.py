@@ -1,0 +1,49 @@
+"""Bad settings stop before training with one line naming the setting and what is allowed."""
+
+import pytest
+
+from sparsebalance_pl.cli import main
+
+DEMO = ["fit", "--config", "configs/demo.yaml"]
+
+
+def _error_of(capsys, *extra: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(DEMO + list(extra))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--model.attention.backend=flash"], ["backend", "dense", "sparse"]),
+        (["--model.attention.tau=1.5"], ["attention.tau", "(0, 1]"]),
+        (["--model.attention.tau=0"], ["attention.tau", "(0, 1]"]),
+        (["--model.attention.block_size=48"], ["attention.block_size", "power of two"]),
+        (["--data.max_tokens=1024", "--data.max_doc_tokens=4096"], ["data.max_tokens", "data.max_doc_tokens"]),
+        (["--data.source=folder", "--data.text_dir=/nonexistent/folder"], ["data.text_dir", "does not exist"]),
+        (["--model.optim.lrr=0.1"], ["lrr"]),
+        (["--trainer.not_a_setting=1"], ["not_a_setting"]),
+    ],
+)
+def test_bad_setting_is_named(capsys, monkeypatch, tmp_path, args, expected):
+    monkeypatch.chdir(_repo_root())
+    err = _error_of(capsys, *args)
+    for text in expected:
+        assert text in err, err
+
+
+def test_empty_data_folder_is_named(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(_repo_root())
+    (tmp_path / "notes.md").write_text("not a corpus file")
+    err = _error_of(capsys, "--data.source=folder", f"--data.text_dir={tmp_path}")
+    assert "data.text_dir" in err and ".txt or .jsonl" in err
+
+
+def _repo_root():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parent.parent

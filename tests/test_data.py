@@ -1,0 +1,114 @@
+"""Corpus building, packing and the per-rank batch plan."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
+from sparsebalance_pl.datamodules.datamodule import LongContextDataModule, StreamingMapView
+from sparsebalance_pl.datamodules.packing import collate_packed, first_fit
+from sparsebalance_pl.datamodules.sampler import PlannedBatchSampler, first_fit_plan
+from sparsebalance_pl.datamodules.synthetic import LengthPrior, synthetic_document
+from sparsebalance_pl.datamodules.tokenizer import ByteTokenizer
+from sparsebalance_pl.errors import DataError
+
+
+def test_length_prior_is_scaled_to_the_maximum():
+    rng = np.random.default_rng(0)
+    lengths = LengthPrior.load("wlbllm").sample(20000, rng, max_tokens=4096)
+    assert lengths.max() == 4096 and lengths.min() >= 32
+    assert 0.005 < np.mean(lengths == 4096) < 0.03  # the top ~1% is clipped at the maximum
+    assert np.median(lengths) < 0.25 * 4096  # heavy tail: most documents are short
+
+
+def test_synthetic_document_plants_retrievable_needles():
+    doc = synthetic_document(np.random.default_rng(3), 3000)
+    assert abs(len(doc) - 3000) < 200
+    key = doc.split("The pass key is ")[1][:5]
+    assert doc.rstrip().count(key) >= 3  # planted twice, answered once at the end
+    assert "What is the value of key" in doc
+
+
+def test_collate_packs_without_crossing_documents():
+    docs = [np.array([1, 2, 3]), np.array([4, 5]), np.array([6, 7, 8, 9])]
+    batch = collate_packed([{"tokens": d} for d in docs])
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    assert batch["targets"].tolist() == [[2, 3, -100, 5, -100, 7, 8, 9, -100]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert batch["cu_seqlens"].tolist() == [0, 3, 5, 9] and batch["cu_seqlens"].dtype == torch.int32
+
+
+def test_first_fit_respects_capacity_and_uses_every_document():
+    lengths = np.random.default_rng(0).integers(1, 100, 500)
+    batches = first_fit(lengths, np.arange(500), max_tokens=128)
+    assert sorted(i for b in batches for i in b) == list(range(500))
+    assert max(lengths[b].sum() for b in batches) <= 128
+    with pytest.raises(ValueError, match="max_tokens"):
+        first_fit(np.array([200]), np.arange(1), max_tokens=128)
+
+
+def test_plan_is_identical_on_every_rank_and_equal_in_length():
+    lengths = np.random.default_rng(1).integers(10, 1000, 400)
+    samplers = [PlannedBatchSampler(lengths, max_tokens=2048, num_ranks=3, rank=r, seed=5) for r in range(3)]
+    per_rank = [list(s) for s in samplers]
+    assert len({len(p) for p in per_rank}) == 1
+    seen = [i for p in per_rank for b in p for i in b]
+    assert len(seen) == len(set(seen))
+    assert first_fit_plan(lengths, max_tokens=2048, num_ranks=3, seed=5, epoch=0, shuffle=True) == [
+        list(step) for step in zip(*per_rank)
+    ]
+    samplers[0].set_epoch(1)
+    assert list(samplers[0]) != per_rank[0]
+
+
+def test_synthetic_dataset_round_trip(tmp_path):
+    build_splits(
+        str(tmp_path),
+        SyntheticSource(num_documents=40, seed=1),
+        tokenizer_spec="byte",
+        max_doc_tokens=512,
+        val_fraction=0.1,
+    )
+    lengths = load_lengths(tmp_path / "train")
+    view = StreamingMapView(tmp_path / "train", len(lengths))
+    assert len(lengths) + len(load_lengths(tmp_path / "val")) == 40
+    for i in (0, len(lengths) - 1):
+        sample = view[i]
+        assert sample["length"] == lengths[i] == len(sample["tokens"]) <= 512
+        assert sample["tokens"][-1] == ByteTokenizer.eos_id
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["source"]["kind"] == "synthetic"
+
+
+def test_folder_source_splits_long_documents_and_survives_bad_text(tmp_path, capfd):
+    # litdata encodes in worker processes: their warnings reach stderr, not the logging capture
+    text_dir = tmp_path / "text"
+    text_dir.mkdir()
+    (text_dir / "a.txt").write_text("x" * 1000)
+    (text_dir / "b.jsonl").write_text(json.dumps({"text": "hello"}) + "\nnot json\n" + json.dumps({"t": 1}) + "\n")
+    (text_dir / "c.txt").write_bytes(b"caf\xe9 latin-1 text")
+    out = tmp_path / "data"
+    build_splits(str(out), FolderSource.scan(str(text_dir)), tokenizer_spec="byte", max_doc_tokens=300,
+                 val_fraction=0.0)
+    lengths = sorted(load_lengths(out / "train").tolist())
+    assert lengths == sorted([300, 300, 300, 101, 6, 20])  # 1001 tokens in 4 pieces; hello+eos; c.txt (U+FFFD is 3 bytes)+eos
+    err = capfd.readouterr().err
+    assert "b.jsonl:2" in err and "b.jsonl:3" in err and "c.txt: not valid UTF-8" in err
+
+
+def test_missing_and_empty_folders_are_reported(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        FolderSource.scan(str(tmp_path / "nope"))
+    with pytest.raises(DataError, match="holds no"):
+        FolderSource.scan(str(tmp_path))
+
+
+def test_datamodule_serves_packed_batches(tmp_path):
+    dm = LongContextDataModule(data_dir=str(tmp_path), num_documents=60, max_doc_tokens=256, max_tokens=512,
+                               val_fraction=0.1)
+    dm.prepare_data()
+    batches = list(dm.train_dataloader())
+    assert batches and all(b["input_ids"].shape[1] <= 512 for b in batches)
+    assert all(int(b["cu_seqlens"][-1]) == b["input_ids"].shape[1] for b in batches)

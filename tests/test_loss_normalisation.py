@@ -1,0 +1,103 @@
+"""The update of a global batch does not depend on how its documents were split across ranks (DESIGN.md 4.6).
+
+Two gloo ranks on the CPU run the real FSDP2 sharding of the module; their gradients are compared with one
+process holding the whole global batch, for two different splits.
+"""
+
+import multiprocessing as mp
+import os
+import socket
+
+import pytest
+import torch
+
+DOCS = [31, 90, 12, 64, 47, 5]
+SPLITS = {"balanced": ([0, 1, 2], [3, 4, 5]), "skewed": ([0, 2, 5], [1, 3, 4])}
+
+
+def _module():
+    from sparsebalance_pl.attention import AttentionConfig
+    from sparsebalance_pl.model import ModelConfig
+    from sparsebalance_pl.module import SparseQwen
+
+    torch.manual_seed(0)
+    module = SparseQwen(
+        model=ModelConfig(
+            preset="demo",
+            overrides={"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128},
+        ),
+        attention=AttentionConfig(backend="dense", block_size=16, stride=4),
+    )
+    module.configure_model()
+    return module
+
+
+def _batch(doc_ids):
+    from sparsebalance_pl.datamodules.packing import collate_packed
+
+    gen = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, 512, (n,), generator=gen) for n in DOCS]
+    return collate_packed([{"tokens": docs[i].numpy()} for i in doc_ids])
+
+
+def _full_grads(module):
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for n, p in module.net.named_parameters()}
+
+
+def _rank_main(rank, port, split, out_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sparsebalance_pl.loss import globally_normalised_loss
+    from sparsebalance_pl.strategy import apply_fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        module = _module()
+        mesh = init_device_mesh("cpu", (2,))
+        apply_fully_shard(module.net, list(module.net.hf.model.layers), mesh)
+        loss_sum, count = module(_batch(SPLITS[split][rank]))
+        loss, _ = globally_normalised_loss(loss_sum, count)
+        loss.backward()
+        grads = _full_grads(module)
+        if rank == 0:
+            torch.save(grads, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_rank_grads(split, tmp_path):
+    out = tmp_path / f"{split}.pt"
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, split, str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            pytest.fail("a rank did not finish within 120 s")
+        assert p.exitcode == 0
+    return torch.load(out)
+
+
+@pytest.mark.slow
+def test_gradients_do_not_depend_on_the_split(tmp_path):
+    module = _module()
+    loss_sum, count = module(_batch(range(len(DOCS))))
+    (loss_sum / count).backward()
+    expected = _full_grads(module)
+    for split in SPLITS:
+        grads = _two_rank_grads(split, tmp_path)
+        for name, want in expected.items():
+            torch.testing.assert_close(grads[name], want, rtol=0, atol=1e-5, msg=f"{split}: {name}")
