@@ -112,3 +112,17 @@ def test_datamodule_serves_packed_batches(tmp_path):
     batches = list(dm.train_dataloader())
     assert batches and all(b["input_ids"].shape[1] <= 512 for b in batches)
     assert all(int(b["cu_seqlens"][-1]) == b["input_ids"].shape[1] for b in batches)
+
+
+def test_tokenizers():
+    from sparsebalance_pl.datamodules.tokenizer import load_tokenizer
+    from sparsebalance_pl.errors import ConfigError
+
+    byte = load_tokenizer("byte")
+    assert byte.decode(byte.encode("héllo")) == "héllo"
+    qwen = load_tokenizer("qwen-tiktoken")
+    ids = qwen.encode("Hello world")
+    assert ids == [9707, 1879]  # Qwen2's BPE ids for "Hello" and " world"
+    assert qwen.decode(ids + [qwen.eos_id]) == "Hello world"
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        load_tokenizer("/no/such/tokenizer")

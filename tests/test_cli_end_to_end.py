@@ -1,0 +1,40 @@
+"""`python main.py fit` and `validate` as users run them: 2 FSDP2 ranks on the CPU, bounded in time."""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = [
+    "--config", str(REPO / "configs" / "demo.yaml"),
+    "--data.num_documents=120", "--data.max_doc_tokens=1024", "--data.max_tokens=1024",
+    "--model.model.overrides={num_layers: 2}",
+    "--trainer.limit_val_batches=1",
+]
+
+
+def _run(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "main.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_fit_then_validate_from_checkpoint(tmp_path):
+    _run(tmp_path, "fit", *SMALL, "--trainer.max_steps=4", "--trainer.val_check_interval=2",
+         "--trainer.callbacks.init_args.every_n_train_steps=2")
+    rows = list(csv.DictReader(open(tmp_path / "outputs/demo/logs/version_0/metrics.csv")))
+    train_losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    val_losses = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
+    densities = [float(r["train/density"]) for r in rows if r.get("train/density")]
+    assert train_losses and val_losses and densities
+    assert all(0 < d <= 1 for d in densities)
+    checkpoint = tmp_path / "outputs/demo/checkpoints/last.ckpt"
+    assert checkpoint.exists()
+    result = _run(tmp_path, "validate", *SMALL, f"--ckpt_path={checkpoint}")
+    assert "val/loss" in result.stdout

@@ -1,0 +1,37 @@
+"""A local Hugging Face directory supplies the weights and the tokenizer; nothing is downloaded."""
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+from sparsebalance_pl.attention import ATTN_IMPLEMENTATION
+from sparsebalance_pl.datamodules.tokenizer import load_tokenizer
+from sparsebalance_pl.model import ModelConfig
+
+
+def _save_local_model(path):
+    torch.manual_seed(0)
+    dims = ModelConfig(preset="demo", overrides={"num_layers": 2, "hidden_size": 64, "num_heads": 4,
+                                                  "intermediate_size": 128}).dims()
+    model = Qwen2ForCausalLM(dims.to_hf_config("sdpa"))
+    model.save_pretrained(path)
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator(["the pass key is 12345", "the value of key ab12 is"] * 10,
+                            trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<|endoftext|>"]))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(path)
+    return model
+
+
+def test_weights_and_tokenizer_come_from_the_local_directory(tmp_path):
+    saved = _save_local_model(tmp_path)
+    config = ModelConfig(pretrained_path=str(tmp_path))
+    loaded = config.build(ATTN_IMPLEMENTATION)
+    assert config.dims().num_layers == 2
+    assert loaded.config._attn_implementation == ATTN_IMPLEMENTATION
+    for (name, a), (_, b) in zip(saved.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    tokenizer = load_tokenizer(str(tmp_path))
+    ids = tokenizer.encode("the pass key")
+    assert ids and tokenizer.decode(ids).replace(" ", "") == "thepasskey"
+    assert tokenizer.eos_id == 1
