@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
 from sparsebalance_pl.datamodules.packing import collate_packed
-from sparsebalance_pl.datamodules.sampler import PlannedBatchSampler
+from sparsebalance_pl.datamodules.sampler import PaddingItem, PlannedBatchSampler
 from sparsebalance_pl.datamodules.synthetic import LengthPrior
 from sparsebalance_pl.datamodules.tokenizer import load_tokenizer
 from sparsebalance_pl.errors import ConfigError
@@ -32,8 +32,10 @@ class StreamingMapView(Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    def __getitem__(self, index: int) -> dict:
-        return self.stream[index]
+    def __getitem__(self, key: int | PaddingItem) -> dict:
+        if isinstance(key, PaddingItem):
+            return {**self.stream[key.index], "bears_loss": False}
+        return self.stream[key]
 
 
 class LongContextDataModule(L.LightningDataModule):

@@ -39,11 +39,14 @@ def first_fit(lengths: np.ndarray, order: np.ndarray, max_tokens: int) -> list[l
 
 
 def collate_packed(samples: list[dict]) -> dict[str, torch.Tensor]:
-    """One packed stream ([1, T] tensors) from samples holding ``tokens`` arrays."""
+    """One packed stream ([1, T] tensors) from samples holding ``tokens`` arrays.
+
+    A sample with ``bears_loss: False`` (padding that keeps ranks in step) gets no targets.
+    """
     tokens = [torch.as_tensor(np.asarray(s["tokens"]), dtype=torch.long) for s in samples]
     lengths = torch.tensor([len(t) for t in tokens], dtype=torch.int32)
     input_ids = torch.cat(tokens)
-    targets = torch.cat([torch.cat([t[1:], t.new_full((1,), IGNORE_INDEX)]) for t in tokens])
+    targets = torch.cat([_next_tokens(t, s.get("bears_loss", True)) for t, s in zip(tokens, samples)])
     position_ids = torch.cat([torch.arange(len(t)) for t in tokens])
     cu_seqlens = torch.zeros(len(tokens) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(lengths, 0)
@@ -53,3 +56,10 @@ def collate_packed(samples: list[dict]) -> dict[str, torch.Tensor]:
         "position_ids": position_ids[None],
         "cu_seqlens": cu_seqlens,
     }
+
+
+def _next_tokens(tokens: torch.Tensor, bears_loss: bool) -> torch.Tensor:
+    """Each token's target: the next token of the same document; none after the last or without loss."""
+    if not bears_loss:
+        return torch.full_like(tokens, IGNORE_INDEX)
+    return torch.cat([tokens[1:], tokens.new_full((1,), IGNORE_INDEX)])

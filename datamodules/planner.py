@@ -5,10 +5,12 @@ are permuted by (seed, epoch), global batches are cut from the stream by a token
 batch is split into ``world_size * micro_batches`` micro-batches of at most ``capacity`` tokens that
 minimise the largest predicted time (``partition``).
 
-Within one step, balance is capped by the costliest document. With ``defer_window = k > 0`` a document
-that would make its step slower than ``mean / defer_target`` waits for a later step (at most k steps after
-it was drawn), where it can meet other costly documents; the last steps of the epoch flush the queue, so
-every document is still used exactly once per epoch.
+Within one step, balance is capped by the costliest document. With ``defer_window = k > 0`` an outlier
+(a segment whose micro-batch is bound to cost more than a typical one over ``defer_target``) waits in a
+queue for at most k steps and is released with other outliers of similar cost once together they balance
+a step (or at its deadline); the last steps of the epoch flush the queue, so every document is still used
+exactly once per epoch. A global batch with fewer segments than micro-batches (only possible at the end
+of an epoch) leaves some micro-batches empty.
 
 The plan from a ``PlanState`` is a pure function of (lengths, costs, config, state), so a resumed run
 restarts exactly at the next unconsumed global batch: save the ``state`` of the last consumed batch.
@@ -49,8 +51,8 @@ class PlannerConfig:
         capacity: most tokens in one micro-batch (memory); defaults to ``tokens_per_rank``.
         micro_batches: micro-batches per rank and step (gradient accumulation), the same on every rank.
         defer_window: k, the most steps a document may wait after being drawn; 0 disables deferral.
-        defer_target: a step whose costliest movable document exceeds its mean micro-batch cost divided by
-            this defers that document.
+        defer_target: outliers are segments bound to cost more than a typical micro-batch divided by this;
+            waiting outliers are released as a group once the step's predicted balance reaches it.
         oversize: a document longer than ``capacity`` is an ``"error"`` or is ``"split"`` into pieces.
         seed: with the epoch, seeds the permutation.
         shuffle: permute the documents each epoch (else keep dataset order).
@@ -159,28 +161,32 @@ def plan_epoch(
     if state.epoch != epoch:
         raise ValueError(f"state belongs to epoch {state.epoch}, not {epoch}")
     stream = _Stream.build(lengths, config, epoch)
-    costs = np.asarray(cost_fn(stream.length.astype(np.float64)), dtype=np.float64)
-    if costs.shape != stream.length.shape or not np.all(np.isfinite(costs)) or np.any(costs < 0):
+    cost = np.asarray(cost_fn(stream.length.astype(np.float64)), dtype=np.float64)
+    if cost.shape != stream.length.shape or not np.all(np.isfinite(cost)) or np.any(cost < 0):
         raise ValueError("cost_fn must return one finite non-negative cost per length")
+    costs = _Costs.build(stream, cost, config)
     while state.cursor < stream.length.size or state.deferred:
         index = state.step
         chosen, parts, state = _Step(stream, costs, config, state).select()
-        yield _arrange(stream, costs, config, index, chosen, parts, state)
+        yield _arrange(stream, cost, config, index, chosen, parts, state)
 
 
 class _Stream(NamedTuple):
-    """The epoch's segments in stream order: permuted documents, oversized ones split into pieces."""
+    """The epoch's segments in stream order: permuted documents, oversized ones split into pieces; ``cum``
+    counts the tokens before each position."""
 
     doc: np.ndarray
     start: np.ndarray
     length: np.ndarray
+    cum: np.ndarray
 
     @classmethod
     def build(cls, lengths: Sequence[int] | np.ndarray, config: PlannerConfig, epoch: int) -> _Stream:
         n = np.asarray(lengths)
-        if n.ndim != 1 or not np.issubdtype(n.dtype, np.integer) or (n.size and n.min() < 1):
-            bad = np.flatnonzero(n < 1)[:1].tolist() if n.ndim == 1 and n.dtype.kind in "iuf" else []
-            raise DataError(f"document lengths must be a 1-D sequence of integers >= 1 (document {bad or '?'})")
+        if n.ndim != 1 or (n.size and not np.issubdtype(n.dtype, np.integer)):
+            raise DataError(f"document lengths must be a 1-D sequence of integers, got {n.dtype} of shape {n.shape}")
+        if n.size and n.min() < 1:
+            raise DataError(f"document {int(np.argmin(n))} has length {int(n.min())}: lengths must be integers >= 1")
         order = np.random.default_rng([config.seed, epoch]).permutation(n.size) if config.shuffle else np.arange(n.size)
         ordered = n[order].astype(np.int64)
         too_long = np.flatnonzero(ordered > config.cap)
@@ -194,119 +200,155 @@ class _Stream(NamedTuple):
         doc = np.repeat(order, pieces)
         first = np.repeat(np.cumsum(pieces) - pieces, pieces)
         start = (np.arange(doc.size) - first) * config.cap
-        return cls(doc, start, np.minimum(config.cap, np.repeat(ordered, pieces) - start))
+        length = np.minimum(config.cap, np.repeat(ordered, pieces) - start)
+        return cls(doc, start, length, np.concatenate([[0], np.cumsum(length)]))
+
+
+class _Costs(NamedTuple):
+    """Per-segment predicted cost, a lower bound on the cost of the slot holding it, and whether it is an
+    outlier that waits for company (only with deferral); ``rate`` is the cost per token of the others."""
+
+    cost: np.ndarray
+    bound: np.ndarray
+    outlier: np.ndarray
+    rate: float
+
+    @classmethod
+    def build(cls, stream: _Stream, cost: np.ndarray, config: PlannerConfig) -> _Costs:
+        """A slot holds its segment plus the tokens the other slots of a full step cannot take (nearly a
+        whole slot when the budget is tight), at the cheapest rate per token. An outlier's bound exceeds
+        the typical slot cost (``tokens_per_rank`` at the rate of the non-outliers) times 1 / defer_target;
+        the rate and the outliers define each other, so a few fixed-point rounds settle them."""
+        tokens = stream.length.astype(np.float64)
+        if not tokens.size:
+            return cls(cost, cost, np.zeros(0, dtype=bool), 0.0)
+        must_hold = max(0, config.budget - (config.slots - 1) * config.cap)
+        bound = cost + np.maximum(must_hold - tokens, 0) * (cost / tokens).min()
+        outlier = np.zeros(cost.size, dtype=bool)
+        rate = cost.sum() / tokens.sum()
+        for _ in range(3 if config.defer_window else 0):
+            outlier = bound * config.defer_target > config.tokens_per_rank * rate
+            rate = cost[~outlier].sum() / max(tokens[~outlier].sum(), 1.0)
+        return cls(cost, bound, outlier, float(rate))
 
 
 class _Step:
     """Chooses the segments of one global batch and the state after it.
 
-    Order of admission: segments at their deadline (forced), other waiting segments costliest first (so
-    costly ones meet), then new draws from the stream, each while the budget allows. With deferral on, the
-    costliest movable segment is deferred while it caps the step below ``defer_target`` and the budget is
-    refilled from the stream. Finally admitted segments are given back, last first, until ``partition``
-    finds a packing under the capacity. Forced segments always fit: deferral keeps the tokens sharing a
-    deadline within half the budget, which any first-fit-decreasing packing accommodates.
+    First the waiting outliers to release: all at their deadline, plus the largest group of the costliest
+    waiting ones (at most one per slot) whose predicted balance, with the rest of the budget filled at the
+    ordinary rate, reaches ``defer_target``. Then draws from the stream fill the budget; an outlier drawn
+    joins the queue instead, until k steps later. Finally admitted segments are given back, last first,
+    until ``partition`` finds a balanced packing under the capacity. Segments at their deadline always
+    fit: the tokens sharing a deadline stay within half the budget, which first-fit-decreasing packs.
     """
 
-    def __init__(self, stream: _Stream, costs: np.ndarray, config: PlannerConfig, state: PlanState) -> None:
+    def __init__(self, stream: _Stream, costs: _Costs, config: PlannerConfig, state: PlanState) -> None:
         self.stream, self.costs, self.config, self.state = stream, costs, config, state
-        self.deadline = dict(state.deferred)
+        self.queue = dict(state.deferred)
+        self.due: set[int] = set()
         self.chosen: list[int] = []
-        self.forced: set[int] = set()
         self.tokens = 0
+        self.budget = config.budget
         self.cursor = state.cursor
 
     def select(self) -> tuple[list[int], list[list[int]], PlanState]:
         """Stream positions of the chosen segments, their partition into slots, and the next state."""
-        step = self.state.step
-        for p in sorted(self.deadline, key=lambda p: (self.deadline[p] > step, -self.costs[p], p)):
+        for p in self._release(flush=self.cursor >= self.stream.length.size):
             if self._fits(p):
                 self._admit(p)
-                if self.deadline[p] <= step:
-                    self.forced.add(p)
         self._draw()
-        if self.config.defer_window and self.state.cursor < self.stream.length.size:
-            self._defer_outliers()
-        parts = self._pack()
+        if not self.chosen:  # the stream ended in outliers that all went to the queue
+            for p in self._release(flush=True):
+                if self._fits(p):
+                    self._admit(p)
+        parts = None
+        while parts is None:
+            parts = self._partition()
         for p in self.chosen:
-            self.deadline.pop(p, None)
-        deferred = tuple(sorted(self.deadline.items(), key=lambda item: (item[1], item[0])))
-        return self.chosen, parts, PlanState(self.state.epoch, step + 1, self.cursor, deferred)
+            self.queue.pop(p, None)
+        deferred = tuple(sorted(self.queue.items(), key=lambda item: (item[1], item[0])))
+        return self.chosen, parts, PlanState(self.state.epoch, self.state.step + 1, self.cursor, deferred)
+
+    def _release(self, flush: bool) -> list[int]:
+        """Waiting segments to use now, those at their deadline (all when flushing) first."""
+        step, bound = self.state.step, self.costs.bound
+        waiting = sorted(self.queue, key=lambda p: (-bound[p], p))
+        self.due = {p for p in waiting if self.queue[p] <= step}
+        must = [p for p in waiting if p in self.due or flush]
+        floor = max((bound[p] for p in must), default=0.0)
+        optional = [p for p in waiting if p not in must]
+        for level in [bound[p] for p in optional if bound[p] > floor] + [floor]:
+            group = must + [p for p in optional if bound[p] <= level][: max(0, self.config.slots - len(must))]
+            if level == floor or self._predicted_balance(group, level) >= self.config.defer_target:
+                return group
+        return must
+
+    def _predicted_balance(self, group: list[int], level: float) -> float:
+        tokens = int(self.stream.length[group].sum())
+        if tokens > self.budget:
+            return 0.0
+        mean = (self.costs.cost[group].sum() + (self.budget - tokens) * self.costs.rate) / self.config.slots
+        return float(mean / max(mean, level))
 
     def _fits(self, p: int) -> bool:
-        return self.tokens + int(self.stream.length[p]) <= self.config.budget
+        return self.tokens + int(self.stream.length[p]) <= self.budget
 
     def _admit(self, p: int) -> None:
         self.chosen.append(p)
         self.tokens += int(self.stream.length[p])
 
-    def _remove(self, p: int) -> None:
-        self.chosen.remove(p)
-        self.tokens -= int(self.stream.length[p])
-
     def _draw(self) -> None:
-        while self.cursor < self.stream.length.size and self._fits(self.cursor):
-            self._admit(self.cursor)
+        """Admit stream segments while they fit; outliers go to the queue while their deadline has room."""
+        deadline = self.state.step + self.config.defer_window
+        while self.cursor < self.stream.length.size:
+            p = self.cursor
+            if self.costs.outlier[p] and self._can_wait(p):
+                self.queue[p] = deadline
+            elif self._fits(p):
+                self._admit(p)
+            else:
+                return
             self.cursor += 1
 
     def _can_wait(self, p: int) -> bool:
-        """Whether p may leave this step: not forced, and (if new) its deadline group keeps room."""
-        if p in self.forced:
+        """Whether p may wait: not at its deadline and, if not queued yet, its deadline group keeps room."""
+        if p in self.due:
             return False
-        if p in self.deadline:
+        if p in self.queue:
             return True
-        due = self.state.step + self.config.defer_window
-        waiting = sum(int(self.stream.length[q]) for q, d in self.deadline.items() if d == due)
+        deadline = self.state.step + self.config.defer_window
+        waiting = sum(int(self.stream.length[q]) for q, d in self.queue.items() if d == deadline)
         return 2 * (waiting + int(self.stream.length[p])) <= self.config.budget
 
-    def _defer(self, p: int) -> None:
-        self._remove(p)
-        self.deadline.setdefault(p, self.state.step + self.config.defer_window)
+    def _partition(self) -> list[list[int]] | None:
+        """The slots of the admitted segments, or None after giving one back when the balanced packing fails.
 
-    def _defer_outliers(self) -> None:
-        """Defer the segment whose micro-batch is bound to be slowest while it caps the step's balance.
-
-        A segment's micro-batch costs at least the segment plus the tokens the other slots cannot take
-        (under a tight budget nearly a full micro-batch) at the cheapest rate per token in the step.
+        A segment given back lowers the step's budget to what is left, so it cannot be re-admitted.
         """
-        slots, cap = self.config.slots, self.config.cap
-        while self.chosen:
-            chosen = np.asarray(self.chosen)
-            cost, tokens = self.costs[chosen], self.stream.length[chosen]
-            must_hold = max(0, int(tokens.sum()) - (slots - 1) * cap)
-            bound = cost + np.maximum(must_hold - tokens, 0) * (cost / tokens).min()
-            top = int(np.argmax(bound))
-            if bound[top] * self.config.defer_target <= cost.sum() / slots:
-                return
-            p = int(chosen[top])
-            if not self._can_wait(p):
-                return
-            self._defer(p)
-            self._draw()
+        args = (self.costs.cost[self.chosen], self.config.slots)
+        kwargs = {"tokens": self.stream.length[self.chosen], "capacity": self.config.cap}
+        try:
+            return partition(*args, **kwargs, token_fallback=False)
+        except CapacityError:
+            if self._give_back():
+                self.budget = self.tokens
+                return None
+        return partition(*args, **kwargs)
 
-    def _pack(self) -> list[list[int]]:
-        """Give back admitted segments, last first, until partition packs the rest under the capacity."""
-        while True:
-            try:
-                return partition(
-                    self.costs[self.chosen],
-                    self.config.slots,
-                    tokens=self.stream.length[self.chosen],
-                    capacity=self.config.cap,
-                )
-            except CapacityError:
-                self._give_back()
-
-    def _give_back(self) -> None:
+    def _give_back(self) -> bool:
+        """Return the last admitted segment that may leave to the stream or the queue; False if none may."""
         for p in reversed(self.chosen):
             if p == self.cursor - 1 and p >= self.state.cursor:
-                self._remove(p)
                 self.cursor -= 1
-                return
-            if self.config.defer_window and self._can_wait(p):
-                self._defer(p)
-                return
-        raise CapacityError(f"step {self.state.step}: no packing found even for the segments that must be used")
+            elif self.config.defer_window and self._can_wait(p):
+                self.queue.setdefault(p, self.state.step + self.config.defer_window)
+            else:
+                continue
+            self.chosen.remove(p)
+            self.tokens -= int(self.stream.length[p])
+            return True
+        return False
 
 
 def _arrange(

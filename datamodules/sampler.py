@@ -8,6 +8,7 @@ The plan has the same number of micro-batches on every rank, so collectives neve
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -15,15 +16,26 @@ from torch.utils.data import Sampler
 from sparsebalance_pl.datamodules.packing import first_fit
 
 
+class PaddingItem(NamedTuple):
+    """A document fed only to keep a rank in step with the others: it bears no loss."""
+
+    index: int
+
+
 def first_fit_plan(
     lengths: np.ndarray, *, max_tokens: int, num_ranks: int, seed: int, epoch: int, shuffle: bool
-) -> list[list[list[int]]]:
+) -> list[list[list]]:
     """steps x ranks x document indices: first-fit packing in (shuffled) stream order, dealt out in turn.
 
-    Micro-batches that would leave the last step with fewer than ``num_ranks`` of them are dropped.
+    Training (``shuffle``) drops the micro-batches of an incomplete last step: the next epoch reshuffles them.
+    Evaluation must see every document once, so ranks left without a micro-batch in the last step get a
+    ``PaddingItem`` (the shortest document, bearing no loss) instead.
     """
     order = np.random.default_rng([seed, epoch]).permutation(len(lengths)) if shuffle else np.arange(len(lengths))
     batches = first_fit(lengths, order, max_tokens)
+    if not shuffle and len(batches) % num_ranks:
+        padding = [PaddingItem(int(np.argmin(lengths)))]
+        batches += [padding] * (num_ranks - len(batches) % num_ranks)
     steps = len(batches) // num_ranks
     return [batches[s * num_ranks : (s + 1) * num_ranks] for s in range(steps)]
 

@@ -25,7 +25,7 @@ import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 FORMAT = "sparsebalance-latency/1"
 TERMS = ("tokens", "attention", "selection", "overhead")
 #: The model dimensions that decide cost; a table profiled for other values is rejected.
+_SCALARS = ("token_layer", "token_head", "layer_overhead", "model_overhead")
 COST_DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
 
 ArrayLike = Sequence[float] | np.ndarray | float
@@ -155,6 +156,11 @@ class LatencyTable:
             return "times must be finite and non-negative"
         return None
 
+    def scaled(self, factor: float) -> LatencyTable:
+        """This table with every time multiplied by ``factor`` (a stand-in for other hardware)."""
+        times = {name: getattr(self, name) * factor for name in ("attention", "selection", *_SCALARS)}
+        return replace(self, **times)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
@@ -163,10 +169,7 @@ class LatencyTable:
             "densities": self.densities.tolist(),
             "attention": self.attention.tolist(),
             "selection": self.selection.tolist(),
-            "token_layer": self.token_layer,
-            "token_head": self.token_head,
-            "layer_overhead": self.layer_overhead,
-            "model_overhead": self.model_overhead,
+            **{name: getattr(self, name) for name in _SCALARS},
             "selection_scope": self.selection_scope,
         }
 
@@ -180,12 +183,12 @@ class LatencyTable:
             return cls(
                 meta=meta,
                 **{name: data[name] for name in ("lengths", "densities", "attention", "selection")},
-                **{name: float(data[name]) for name in ("token_layer", "token_head", "layer_overhead", "model_overhead")},
+                **{name: float(data[name]) for name in _SCALARS},
                 selection_scope=data["selection_scope"],
             )
+        except LatencyTableError:
+            raise
         except (KeyError, TypeError, ValueError) as err:
-            if isinstance(err, LatencyTableError):
-                raise
             raise LatencyTableError(f"latency table is incomplete or malformed: {err!r}") from err
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, AttentionContext, LayerBudget
 from sparsebalance_pl.errors import ConfigError
 from sparsebalance_pl.loss import chunked_cross_entropy_sum, globally_normalised_loss
+from sparsebalance_pl.metrics import TokenMeanLoss
 from sparsebalance_pl.model import ModelConfig
 from sparsebalance_pl.strategy import apply_fully_shard
 
@@ -109,6 +110,8 @@ class SparseQwen(L.LightningModule):
             for _ in range(self.dims.num_layers)
         ]
         self.net: PackedCausalLM | None = None
+        self.val_loss = TokenMeanLoss()
+        self.test_loss = TokenMeanLoss()
         self.last_context: AttentionContext | None = None
         self.save_hyperparameters()
 
@@ -141,24 +144,15 @@ class SparseQwen(L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        loss_sum, num_tokens = self(batch)
-        self.log("val/loss_sum", loss_sum, reduce_fx="sum", sync_dist=True, batch_size=1)
-        self.log("val/tokens", num_tokens.float(), reduce_fx="sum", sync_dist=True, batch_size=1)
-
-    def on_validation_epoch_end(self) -> None:
-        metrics = self.trainer.callback_metrics
-        if "val/loss_sum" in metrics and "val/tokens" in metrics:
-            self.log("val/loss", metrics["val/loss_sum"] / metrics["val/tokens"].clamp_min(1.0), prog_bar=True)
+        self._evaluate(batch, self.val_loss, "val/loss")
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
-        loss_sum, num_tokens = self(batch)
-        self.log("test/loss_sum", loss_sum, reduce_fx="sum", sync_dist=True, batch_size=1)
-        self.log("test/tokens", num_tokens.float(), reduce_fx="sum", sync_dist=True, batch_size=1)
+        self._evaluate(batch, self.test_loss, "test/loss")
 
-    def on_test_epoch_end(self) -> None:
-        metrics = self.trainer.callback_metrics
-        if "test/loss_sum" in metrics and "test/tokens" in metrics:
-            self.log("test/loss", metrics["test/loss_sum"] / metrics["test/tokens"].clamp_min(1.0))
+    def _evaluate(self, batch: dict, metric: TokenMeanLoss, name: str) -> None:
+        loss_sum, num_tokens = self(batch)
+        metric.update(loss_sum, num_tokens)
+        self.log(name, metric, on_step=False, on_epoch=True, prog_bar=True, batch_size=1)
 
     def _log_step(self, stage: str, loss: torch.Tensor, batch: dict, start: float) -> None:
         tokens = batch["input_ids"].shape[1]

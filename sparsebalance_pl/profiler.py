@@ -14,6 +14,8 @@ said otherwise:
 
 Each time is the fastest of a few repetitions after a warm-up: on a shared machine contention only ever
 adds time, so the minimum is the most repeatable estimate (the benchmark measures whole steps the same way).
+On a CPU shared with other jobs even the minimum drifts with their load; ``clock="cpu"`` (one torch thread)
+times the process's CPU time instead, which is what the wall time would be without them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 NOOP_ATTENTION = "sparsebalance_profile_noop"
 #: Documents in the packed stream that decides the selection scope.
 SCOPE_DOCS = 8
+Clock = Literal["wall", "cpu"]
 
 
 def _noop_attention(module, query, key, value, attention_mask, **kwargs):
@@ -73,7 +77,7 @@ class ProfileGrid:
     @classmethod
     def quick(cls, max_length: int = 8192) -> ProfileGrid:
         """About a minute for the CPU demo model: powers of two, four densities, two samples per cell."""
-        return cls(_powers_of_two(256, max_length), (0.05, 0.15, 0.4, 1.0), (1024, 4096), 2, 1.0)
+        return cls(_powers_of_two(256, max_length), (0.05, 0.15, 0.4, 1.0), (max_length // 8, max_length // 2), 2, 1.0)
 
     @classmethod
     def full(cls, max_length: int = 8192) -> ProfileGrid:
@@ -81,7 +85,7 @@ class ProfileGrid:
         powers = _powers_of_two(128, max_length)
         lengths = tuple(sorted({*powers, *(p * 3 // 2 for p in powers if p * 3 // 2 <= max_length)}))
         densities = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
-        return cls(lengths, densities, (512, 1024, 2048, 4096), 5, 5.0)
+        return cls(lengths, densities, tuple(max_length // d for d in (16, 8, 4, 2)), 5, 5.0)
 
 
 def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
@@ -112,27 +116,39 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
-def measure_seconds(fn: Callable[[], object], *, device: torch.device, repeats: int, budget: float) -> float:
-    """Fastest of up to ``repeats`` runs of ``fn`` after one warm-up run, stopping early after ``budget`` s.
+def check_clock(clock: Clock, device: torch.device | str) -> None:
+    """CPU time stands for wall time only for one torch thread on the CPU (it sums threads, and GPUs run async)."""
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
+    if clock == "cpu" and (torch.device(device).type != "cpu" or torch.get_num_threads() != 1):
+        raise ValueError("clock='cpu' needs device 'cpu' and torch.set_num_threads(1)")
 
-    A warm-up slower than ``budget`` counts as the only sample: such a call is long enough that its warm-up
-    cost is noise.
+
+def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one call of ``fn``, the device synchronised around it."""
+    _synchronize(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    _synchronize(device)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def measure_seconds(
+    fn: Callable[[], object], *, device: torch.device, repeats: int, budget: float, clock: Clock = "wall"
+) -> float:
+    """Fastest of up to ``repeats`` runs of ``fn`` on ``clock`` after one warm-up run, stopping early once
+    ``budget`` wall seconds went into it. A warm-up slower than ``budget`` counts as the only sample: such a
+    call is long enough that its warm-up cost is noise.
     """
-
-    def once() -> float:
-        _synchronize(device)
-        start = time.perf_counter()
-        fn()
-        _synchronize(device)
-        return time.perf_counter() - start
-
-    first = once()
-    if first > budget:
-        return first
-    samples, spent = [], first
+    pick = 0 if clock == "wall" else 1
+    first = timed(fn, device)
+    if first[0] > budget:
+        return first[pick]
+    samples, spent = [], first[0]
     while len(samples) < repeats and (not samples or spent < budget):
-        samples.append(once())
-        spent += samples[-1]
+        sample = timed(fn, device)
+        samples.append(sample[pick])
+        spent += sample[0]
     return min(samples)
 
 
@@ -232,12 +248,15 @@ def profile_hardware(
     progress: bool = True,
     seed: int = 0,
     output: str | Path | None = None,
+    clock: Clock = "wall",
 ) -> LatencyModel:
     """Profile this device for a model of ``dims`` and return the fitted ``LatencyModel`` (saved to ``output``).
 
-    ``grid`` overrides the quick (``quick=True``) or full grid up to ``max_length`` tokens per document.
+    ``grid`` overrides the quick (``quick=True``) or full grid up to ``max_length`` tokens per document;
+    ``clock`` as in the module docstring.
     """
     device = torch.device(device)
+    check_clock(clock, device)
     grid = grid or (ProfileGrid.quick(max_length) if quick else ProfileGrid.full(max_length))
     scope_tokens = grid.lengths[-2] if len(grid.lengths) > 2 else grid.lengths[-1]
     cells = (
@@ -264,9 +283,11 @@ def profile_hardware(
                     "layer": lambda: bench.layer_rest(n),
                     "head": lambda: bench.head(n),
                 }[part]()
-                times[cell] = measure_seconds(workload, device=device, repeats=grid.repeats, budget=grid.cell_seconds)
+                times[cell] = measure_seconds(
+                    workload, device=device, repeats=grid.repeats, budget=grid.cell_seconds, clock=clock
+                )
             bar.advance(task)
-    model = LatencyModel(_table(times, grid, dims, device, dtype, block_size, stride, scope_tokens))
+    model = LatencyModel(_table(times, grid, dims, device, dtype, block_size, stride, scope_tokens, clock))
     if output is not None:
         model.save(output)
     return model
@@ -281,6 +302,7 @@ def _table(
     block_size: int,
     stride: int,
     scope_tokens: int,
+    clock: Clock,
 ) -> LatencyTable:
     """Turn raw timings into a table: per-token fits by least squares, the selection scope by comparison."""
     counts = np.asarray(grid.token_counts, dtype=np.float64)
@@ -298,7 +320,7 @@ def _table(
         dtype=str(dtype).removeprefix("torch."),
         versions=library_versions(),
         source="profile",
-        notes={"grid": grid.__dict__, "selection_packed_vs_single": packed / one_doc},
+        notes={"grid": grid.__dict__, "clock": clock, "selection_packed_vs_single": packed / one_doc},
     )
     return LatencyTable(
         meta=meta,

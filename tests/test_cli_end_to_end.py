@@ -12,7 +12,7 @@ SMALL = [
     "--config", str(REPO / "configs" / "demo.yaml"),
     "--data.num_documents=120", "--data.max_doc_tokens=1024", "--data.max_tokens=1024",
     "--model.model.overrides={num_layers: 2}",
-    "--trainer.limit_val_batches=1",
+    "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
 ]
 
 
@@ -26,8 +26,7 @@ def _run(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProce
 
 @pytest.mark.slow
 def test_fit_then_validate_from_checkpoint(tmp_path):
-    _run(tmp_path, "fit", *SMALL, "--trainer.max_steps=4", "--trainer.val_check_interval=2",
-         "--trainer.callbacks.init_args.every_n_train_steps=2")
+    _run(tmp_path, "fit", *SMALL, "--trainer.max_steps=4", "--trainer.val_check_interval=2")
     rows = list(csv.DictReader(open(tmp_path / "outputs/demo/logs/version_0/metrics.csv")))
     train_losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     val_losses = [float(r["val/loss"]) for r in rows if r.get("val/loss")]

@@ -126,3 +126,16 @@ def test_tokenizers():
     assert qwen.decode(ids + [qwen.eos_id]) == "Hello world"
     with pytest.raises(ConfigError, match="data.tokenizer"):
         load_tokenizer("/no/such/tokenizer")
+
+
+def test_evaluation_plan_pads_instead_of_dropping():
+    from sparsebalance_pl.datamodules.sampler import PaddingItem
+
+    lengths = np.array([100, 100, 100, 30])
+    plan = first_fit_plan(lengths, max_tokens=100, num_ranks=3, seed=0, epoch=0, shuffle=False)
+    assert [len(step) for step in plan] == [3, 3]
+    assert plan[1][1:] == [[PaddingItem(3)], [PaddingItem(3)]]
+    real = sorted(i for step in plan for mb in step for i in mb if not isinstance(i, PaddingItem))
+    assert real == [0, 1, 2, 3]
+    batch = collate_packed([{"tokens": np.arange(5), "bears_loss": False}, {"tokens": np.arange(3)}])
+    assert batch["targets"].tolist() == [[-100] * 5 + [1, 2, -100]]

@@ -1,0 +1,178 @@
+"""Simulate sparsity-aware batching on real document-length distributions and compare it with baselines.
+
+For each distribution, rank count, per-rank capacity and cost model, global batches are cut from shuffled
+documents (epochs follow each other until ``--steps`` batches) and every method splits the same batches
+over the ranks; our planner with deferral cuts its own. Every method is scored with the same evaluation
+cost model: balance efficiency (sum over steps of mean rank time / sum of max, DESIGN.md 6), largest
+tokens on a rank over the capacity (> 1 overflows memory), and planning time per global batch.
+
+Cost models: ``sparsebalance_pl.latency.LatencyModel.analytic`` for Qwen2.5-0.5B (block 64, stride 16)
+at density 1 ("dense") or at the length prior of ``DensityEstimator`` ("sparse"). The planner is given
+the same cost model it is scored with. Run from the repository root (PYTHONPATH is not needed after
+``pip install -e .``):
+
+    PYTHONPATH=. python benchmarks/planner.py [--data ../shared/data] [--steps 200] [--window 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from sparsebalance_pl.datamodules.density import DensityEstimator
+from sparsebalance_pl.datamodules.partition import karmarkar_karp, partition
+from sparsebalance_pl.datamodules.planner import GlobalBatch, PlannerConfig, plan_epoch
+from sparsebalance_pl.latency import LatencyModel
+
+QWEN25_05B = {
+    "num_layers": 24,
+    "hidden_size": 896,
+    "num_heads": 14,
+    "num_kv_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 151936,
+    "head_dim": 64,
+}
+CostFn = Callable[[np.ndarray], np.ndarray]
+Method = Callable[[np.ndarray, int, int], list[list[int]]]
+
+
+def cost_models() -> dict[str, CostFn]:
+    latency = LatencyModel.analytic(QWEN25_05B, block_size=64, stride=16)
+    density = DensityEstimator(block_size=64)
+    return {
+        "dense": lambda n: latency.doc_costs(n, 1.0),
+        "sparse": lambda n: latency.doc_costs(n, density(n)),
+    }
+
+
+def round_robin(tokens: np.ndarray, ranks: int, capacity: int) -> list[list[int]]:
+    return [list(range(r, tokens.size, ranks)) for r in range(ranks)]
+
+
+def token_first_fit(tokens: np.ndarray, ranks: int, capacity: int) -> list[list[int]]:
+    """Each document onto the first rank with room, else onto the rank with the fewest tokens (overflow)."""
+    used = np.zeros(ranks)
+    parts: list[list[int]] = [[] for _ in range(ranks)]
+    for i, t in enumerate(tokens.tolist()):
+        fits = np.flatnonzero(used + t <= capacity)
+        r = int(fits[0]) if fits.size else int(np.argmin(used))
+        parts[r].append(i)
+        used[r] += t
+    return parts
+
+
+def verl_kk(tokens: np.ndarray, ranks: int, capacity: int) -> list[list[int]]:
+    """Karmarkar-Karp on verl's fixed cost for a dense 7B model, blind to the capacity."""
+    n = tokens.astype(np.float64)
+    return karmarkar_karp(24576.0 * n + n * n, ranks)
+
+
+def segment_batches(lengths: np.ndarray, cost: CostFn, config: PlannerConfig, steps: int) -> Iterator[GlobalBatch]:
+    """Global batches of consecutive epochs, up to ``steps``."""
+    epochs = (plan_epoch(lengths, cost, config, epoch) for epoch in itertools.count())
+    return itertools.islice(itertools.chain.from_iterable(epochs), steps)
+
+
+def batch_tokens(batch: GlobalBatch) -> np.ndarray:
+    """Segment lengths of a global batch in arrival order (documents are shuffled, so by document index)."""
+    segments = sorted(s for rank in batch.micro_batches for micro in rank for s in micro)
+    return np.array([stop - start for _, start, stop in segments], dtype=np.int64)
+
+
+class Score:
+    """Accumulates balance efficiency, worst tokens over capacity and planning time."""
+
+    def __init__(self) -> None:
+        self.mean = self.slowest = self.seconds = 0.0
+        self.overflow = 0.0
+        self.batches = 0
+
+    def add(self, rank_costs: np.ndarray, rank_tokens: np.ndarray, capacity: int, seconds: float) -> None:
+        self.mean += rank_costs.mean()
+        self.slowest += rank_costs.max()
+        self.overflow = max(self.overflow, rank_tokens.max() / capacity)
+        self.seconds += seconds
+        self.batches += 1
+
+    def cell(self) -> str:
+        return f"{self.mean / self.slowest:.3f} {self.overflow:4.2f}x {1e3 * self.seconds / self.batches:5.1f}ms"
+
+
+def run_row(lengths: np.ndarray, cost: CostFn, ranks: int, capacity: int, steps: int, window: int) -> list[Score]:
+    methods: list[Method] = [round_robin, token_first_fit, verl_kk, lambda t, r, c: karmarkar_karp(cost(t), r)]
+    scores = [Score() for _ in range(len(methods) + 2)]
+    config = PlannerConfig(world_size=ranks, tokens_per_rank=capacity, oversize="split")
+    start = time.perf_counter()
+    for batch in segment_batches(lengths, cost, config, steps):
+        ours_seconds = time.perf_counter() - start
+        scores[-2].add(batch.costs[0], batch.tokens[0], capacity, ours_seconds)
+        tokens = batch_tokens(batch)
+        costs = cost(tokens.astype(np.float64))
+        for method, score in zip(methods, scores):
+            tic = time.perf_counter()
+            parts = method(tokens, ranks, capacity)
+            elapsed = time.perf_counter() - tic
+            score.add(np.array([costs[p].sum() for p in parts]), np.array([tokens[p].sum() for p in parts]), capacity, elapsed)
+        start = time.perf_counter()
+    deferring = PlannerConfig(world_size=ranks, tokens_per_rank=capacity, oversize="split", defer_window=window)
+    start = time.perf_counter()
+    for batch in segment_batches(lengths, cost, deferring, steps):
+        scores[-1].add(batch.costs[0], batch.tokens[0], capacity, time.perf_counter() - start)
+        start = time.perf_counter()
+    return scores
+
+
+def time_large_batch(lengths: np.ndarray, cost: CostFn, docs: int = 8192, ranks: int = 64, repeats: int = 5) -> str:
+    """Median partition time of one global batch of ``docs`` documents, filled to 99% of the capacity."""
+    sample = np.random.default_rng(0).choice(lengths, docs).astype(np.int64)
+    capacity = int(np.ceil(max(sample.sum() / ranks / 0.99, sample.max())))
+    costs = cost(sample.astype(np.float64))
+    timings = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        parts = partition(costs, ranks, tokens=sample, capacity=capacity)
+        timings.append(time.perf_counter() - tic)
+    slowest, mean = max(costs[p].sum() for p in parts), costs.sum() / ranks
+    tic = time.perf_counter()
+    karmarkar_karp(costs, ranks)
+    kk = time.perf_counter() - tic
+    return (
+        f"partition of {docs} documents over {ranks} ranks (capacity {capacity}, 99% full): "
+        f"median {1e3 * np.median(timings):.1f} ms, max/mean {slowest / mean:.4f}; "
+        f"Karmarkar-Karp (pure Python, no capacity) {1e3 * kk:.0f} ms"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    repo = Path(__file__).resolve().parent.parent
+    parser.add_argument("--data", type=Path, default=repo / ".." / "shared" / "data", help="folder of doclens_*.json")
+    parser.add_argument("--steps", type=int, default=200, help="global batches per row")
+    parser.add_argument("--window", type=int, default=32, help="deferral window k, in steps")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--capacities", type=int, nargs="+", default=[65536, 131072])
+    args = parser.parse_args()
+
+    models = cost_models()
+    names = ["round-robin", "token-first-fit", "kk-verl-cost", "kk-eval-cost", "ours", f"ours+defer{args.window}"]
+    print("cell = balance efficiency, max tokens per rank / capacity, planning time per global batch")
+    print(f"{'data':8} {'ranks':>5} {'cap':>6} {'cost':6} " + " ".join(f"{n:>24}" for n in names))
+    for source in ("wlbllm", "prolong"):
+        lengths = np.asarray(json.loads((args.data / f"doclens_{source}.json").read_text()), dtype=np.int64)
+        for ranks, capacity, (model, cost) in itertools.product(args.ranks, args.capacities, models.items()):
+            scores = run_row(lengths, cost, ranks, capacity, args.steps, args.window)
+            head = f"{source:8} {ranks:5d} {capacity // 1024:5d}K {model:6}"
+            print(head + " " + " ".join(f"{s.cell():>24}" for s in scores), flush=True)
+    wlb = np.asarray(json.loads((args.data / "doclens_wlbllm.json").read_text()), dtype=np.int64)
+    print(time_large_batch(wlb, models["dense"]))
+
+
+if __name__ == "__main__":
+    main()
