@@ -90,3 +90,24 @@ def test_loss_gradients_match_plain_cross_entropy():
     assert torch.allclose(loss_sum, expected, rtol=1e-5)
     for got, want in zip(fused, (p.grad for p in module.net.parameters())):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_activation_checkpointing_reuses_masks_and_matches_gradients():
+    plain = _module("sparse", tau=0.5)
+    ckpt = _module("sparse", tau=0.5)
+    ckpt.activation_checkpointing = True
+    ckpt.net = None
+    ckpt.configure_model()
+    ckpt.net.load_state_dict(plain.net.state_dict())
+    batch, _ = _packed_batch([150, 90], plain.dims.vocab_size)
+    grads = []
+    for module in (plain, ckpt):
+        module.train()
+        loss_sum, _ = module(batch)
+        loss_sum.backward()
+        grads.append([p.grad for p in module.net.parameters()])
+        assert set(module.last_context.masks) == {0, 1}
+    assert ckpt.net.hf.model.gradient_checkpointing
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.equal(plain.last_context.masks[1], ckpt.last_context.masks[1])
