@@ -1,0 +1,142 @@
+"""Block-sparse attention speed against dense causal SDPA, and block selection cost.
+
+One process, one packed stream. For each density, masks come from ``select_blocks`` on the benchmark's
+inputs with tau = 1 and ``max_density`` = the density (so they hold the always-kept blocks plus the
+highest-scored others). Variants are timed alternately, repetition by repetition, and medians are quoted
+with their ratio to dense: on a shared machine only such in-run ratios mean anything.
+
+    python benchmarks/attention.py            # issue 3 setting: 8192 tokens, 8/2 heads, d 64, block 64
+    python benchmarks/attention.py --quick    # small and fast
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from sparsebalance_pl.kernels import attention_recall, block_sparse_attention, select_blocks
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--docs", type=int, default=1, help="equal-length documents in the stream")
+    parser.add_argument("--q-heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--stride", type=int, default=16)
+    parser.add_argument("--tau", type=float, default=0.9, help="budget whose density and recall are reported")
+    parser.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.25, 0.5])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="2048 tokens, 4/2 heads: a smoke run")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.q_heads, args.kv_heads = 2048, 4, 2
+    return args
+
+
+def timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    shape = (args.tokens, args.q_heads, args.head_dim)
+    kv_shape = (args.tokens, args.kv_heads, args.head_dim)
+    q = torch.randn(shape, generator=gen, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(kv_shape, generator=gen, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(kv_shape, generator=gen, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    bounds = torch.linspace(0, args.tokens, args.docs + 1).round()
+    cu_seqlens = bounds.to(device=device, dtype=torch.int32)
+    backends = ["torch"] + (["triton"] if device.type == "cuda" else [])
+
+    def select(tau=1.0, max_density=None):
+        return select_blocks(
+            q.detach(), k.detach(), cu_seqlens, block_size=args.block_size, tau=tau, stride=args.stride,
+            max_density=max_density, return_stats=True,
+        )
+
+    masks = {d: select(max_density=d) for d in args.densities}
+
+    def dense(backward=True):
+        def run():
+            bounds_list = cu_seqlens.tolist()
+            outs = []
+            for s, e in zip(bounds_list[:-1], bounds_list[1:]):
+                qd, kd, vd = (x[s:e].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+                outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)[0])
+            out = torch.cat(outs, dim=1).transpose(0, 1)
+            if backward:
+                torch.autograd.grad(out, (q, k, v), grad)
+        return run
+
+    def sparse(density, backend):
+        mask = masks[density][0]
+
+        def run():
+            out = block_sparse_attention(q, k, v, mask, cu_seqlens, block_size=args.block_size, backend=backend)
+            torch.autograd.grad(out, (q, k, v), grad)
+        return run
+
+    variants = {"dense fwd+bwd": dense(), "dense fwd": dense(backward=False), "selection": lambda: select(args.tau)}
+    for d in args.densities:
+        for backend in backends:
+            variants[f"{backend} d={d}"] = sparse(d, backend)
+    for fn in variants.values():  # warm-up (and Triton compilation)
+        fn()
+    times = {name: [] for name in variants}
+    for _ in range(args.reps):
+        for name, fn in variants.items():
+            times[name].append(timed(fn, device))
+    med = {name: statistics.median(t) for name, t in times.items()}
+
+    mask, stats = select(args.tau)
+    recall = attention_recall(q.detach(), k.detach(), mask, cu_seqlens, block_size=args.block_size)
+    print(
+        f"T={args.tokens} docs={args.docs} Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} "
+        f"B={args.block_size} {args.dtype} {device} threads={torch.get_num_threads()} reps={args.reps} (medians)"
+    )
+    print(
+        f"regime: select_blocks(tau={args.tau}, stride={args.stride}) on these random inputs keeps density "
+        f"{float(stats.mean_density()):.3f}, exact recall {float(recall):.3f}"
+    )
+    print(f"{'variant':<18}{'density':>9}{'ms':>11}{'/ dense':>9}")
+    base = med["dense fwd+bwd"]
+    print(f"{'dense sdpa':<18}{1.0:>9.3f}{base * 1e3:>11.1f}{1.0:>9.3f}")
+    for d in args.densities:
+        actual = float(masks[d][1].mean_density())
+        for backend in backends:
+            t = med[f"{backend} d={d}"]
+            print(f"{backend + ' sparse':<18}{actual:>9.3f}{t * 1e3:>11.1f}{t / base:>9.3f}")
+    sel, fwd = med["selection"], med["dense fwd"]
+    print(f"selection (stride {args.stride}): {sel * 1e3:.1f} ms = {sel / fwd:.3f} of dense forward "
+          f"({fwd * 1e3:.1f} ms)")
+
+
+if __name__ == "__main__":
+    main()

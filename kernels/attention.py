@@ -1,0 +1,77 @@
+"""``block_sparse_attention``: validates the call, builds the kept-tile lists once and dispatches to a backend.
+
+Backends implement ``forward(q, k, v, layout, scale) -> (out, lse)`` and
+``backward(q, k, v, out, lse, grad_out, layout, scale) -> (dq, dk, dv)``; the autograd wiring lives here
+once for all of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .layout import TileLayout, check_attention_inputs
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """"auto" is triton on CUDA tensors and torch otherwise; triton on CPU needs TRITON_INTERPRET=1."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported")
+    return backend
+
+
+def _implementation(backend: str):
+    module = {"torch": "attention_torch", "triton": "attention_triton"}[backend]
+    return importlib.import_module(f".{module}", __package__)
+
+
+class _BlockSparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout, scale, impl):
+        out, lse = impl.forward(q, k, v, layout, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.scale, ctx.impl = layout, scale, impl
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.impl.backward(q, k, v, out, lse, grad_out.contiguous(), ctx.layout, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention over one packed stream where token i attends token j iff both are in the same document,
+    j <= i and ``block_mask[h, i // B, j // B]``.
+
+    q [T, Hq, D], k and v [T, Hkv, D] (query head h uses KV head h // (Hq / Hkv)); cu_seqlens int32
+    [docs + 1] from 0 to T; block_mask bool [Hq, ceil(T/B), ceil(T/B)]; scale defaults to D ** -0.5.
+    Returns [T, Hq, D] in q's dtype, differentiable in q, k and v. A query with no allowed key gets output 0
+    and zero gradients. ``backend``: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (any device,
+    cost proportional to the kept tiles), "auto" (triton on CUDA tensors, torch otherwise).
+    """
+    check_attention_inputs(q, k, v, block_mask, cu_seqlens, block_size)
+    impl = _implementation(resolve_backend(backend, q.device))
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    layout = TileLayout.build(block_mask, cu_seqlens, k.shape[1], block_size)
+    return _BlockSparseAttention.apply(q, k, v, layout, scale, impl)

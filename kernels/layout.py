@@ -1,0 +1,183 @@
+"""Block geometry of a packed variable-length stream, shared by selection, attention backends and reference.
+
+Blocks are ``block_size`` consecutive tokens of the packed stream; a block may hold tokens of several
+documents. A tile (query block, key block) is a *candidate* when it can hold at least one allowed pair
+(same document, key not after query): key block <= query block and the two blocks share a document.
+Because documents are contiguous, sharing a document reduces to ``first_doc[qb] <= last_doc[kb]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def check_power_of_two(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a positive power of two, got {value!r}")
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
+    """cu_seqlens: int32 [docs + 1], non-decreasing, from 0 to ``num_tokens``."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ValueError("cu_seqlens must be a 1-D int32 tensor [docs + 1]")
+    if cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must hold at least two offsets (one document)")
+    bounds = cu_seqlens.cpu()
+    if bounds[0] != 0 or bounds[-1] != num_tokens or bool((bounds[1:] < bounds[:-1]).any()):
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing from 0 to T={num_tokens}, got {bounds.tolist()[:8]}"
+            f"{'...' if bounds.numel() > 8 else ''}"
+        )
+
+
+def check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
+    """q [T, Hq, D] and k [T, Hkv, D] with Hq a multiple of Hkv."""
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"q and k must be [T, H, D], got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on T and D")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if q.device != k.device:
+        raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
+
+
+def check_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_size: int,
+) -> None:
+    """The argument contract of ``block_sparse_attention`` (DESIGN 5)."""
+    check_power_of_two("block_size", block_size)
+    check_qk(q, k)
+    if v.shape != k.shape or v.device != k.device:
+        raise ValueError(f"v {tuple(v.shape)} must match k {tuple(k.shape)} in shape and device")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    nb = num_blocks(q.shape[0], block_size)
+    if block_mask.dtype != torch.bool or tuple(block_mask.shape) != (q.shape[1], nb, nb):
+        raise ValueError(
+            f"block_mask must be bool [Hq, ceil(T/B), ceil(T/B)] = [{q.shape[1]}, {nb}, {nb}], "
+            f"got {block_mask.dtype} {tuple(block_mask.shape)}"
+        )
+    if block_mask.device != q.device:
+        raise ValueError(f"block_mask is on {block_mask.device}, q on {q.device}")
+    check_cu_seqlens(cu_seqlens, q.shape[0])
+
+
+def num_blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def token_doc_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Document index of every token, int64 [T]."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    docs = torch.arange(lengths.numel(), device=cu_seqlens.device)
+    return torch.repeat_interleave(docs, lengths, output_size=num_tokens)
+
+
+def group_doc_range(doc: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and last document of each group of ``group`` tokens (the last group may be partial)."""
+    starts = torch.arange(0, doc.numel(), group, device=doc.device)
+    ends = torch.clamp(starts + group - 1, max=doc.numel() - 1)
+    return doc[starts], doc[ends]
+
+
+def candidate_tiles(doc: torch.Tensor, block_size: int) -> torch.Tensor:
+    """bool [nB, nB]: tiles that can hold an allowed pair (causal and sharing a document)."""
+    first, last = group_doc_range(doc, block_size)
+    n = first.numel()
+    causal = torch.ones(n, n, dtype=torch.bool, device=doc.device).tril_()
+    return causal & (first[:, None] <= last[None, :])
+
+
+def forced_tiles(doc: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """bool [nB, nB]: the always-kept tiles, the diagonal and the first block of each document present.
+
+    Any document other than the first one of a query block starts inside that block, so its first block is
+    the diagonal; only the first document's first block needs adding.
+    """
+    first, _ = group_doc_range(doc, block_size)
+    n = first.numel()
+    forced = torch.eye(n, dtype=torch.bool, device=doc.device)
+    sink = cu_seqlens.to(doc.device).long()[first] // block_size
+    forced[torch.arange(n, device=doc.device), sink] = True
+    return forced
+
+
+def pair_mask(
+    doc: torch.Tensor,
+    rows: torch.Tensor,
+    block_size: int,
+    block_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact token-level mask for query tokens ``rows``: [R, T] causal and same document, further
+    restricted by ``block_mask`` [H, nB, nB] to [H, R, T] when given (the semantics of DESIGN 4.2)."""
+    cols = torch.arange(doc.numel(), device=doc.device)
+    allowed = (doc[rows, None] == doc[None, :]) & (cols[None, :] <= rows[:, None])
+    if block_mask is None:
+        return allowed
+    kept = block_mask[:, rows // block_size][:, :, cols // block_size]
+    return allowed & kept
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    """The kept tiles of one attention call as CSR lists, plus the token document ids.
+
+    Rows are ``r = h * nB + qb`` over query heads; ``tile_col`` lists the kept key blocks of each row in
+    increasing order. Tiles that hold no allowed pair are dropped, so every backend visits only tiles with
+    work. ``tile_partial`` marks tiles that need token-level masking (diagonal, or a block touching more
+    than one document); the others are fully allowed. Backends keep what they derive from the layout
+    (chunk plans, transposed lists) in ``scratch`` so the backward reuses the forward's work.
+    """
+
+    num_tokens: int
+    block_size: int
+    num_blocks: int
+    num_q_heads: int
+    num_kv_heads: int
+    doc: torch.Tensor  # int64 [T]
+    row_ptr: torch.Tensor  # int64 [Hq * nB + 1]
+    tile_row: torch.Tensor  # int64 [P]
+    tile_col: torch.Tensor  # int64 [P]
+    tile_partial: torch.Tensor  # bool [P]
+    scratch: dict = field(default_factory=dict, compare=False, repr=False)  # per-backend derived data
+
+    @staticmethod
+    def build(block_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_kv_heads: int, block_size: int) -> "TileLayout":
+        num_q_heads, nb, _ = block_mask.shape
+        num_tokens = int(cu_seqlens[-1])
+        doc = token_doc_ids(cu_seqlens.to(block_mask.device), num_tokens)
+        kept = block_mask & candidate_tiles(doc, block_size)
+        head, qb, kb = kept.nonzero(as_tuple=True)
+        row = head * nb + qb
+        counts = torch.bincount(row, minlength=num_q_heads * nb)
+        row_ptr = torch.zeros(num_q_heads * nb + 1, dtype=torch.long, device=row.device)
+        torch.cumsum(counts, 0, out=row_ptr[1:])
+        first, last = group_doc_range(doc, block_size)
+        single_doc = first[kb] == last[qb]  # blocks kb..qb all inside one document
+        partial = (qb == kb) | ~single_doc
+        return TileLayout(num_tokens, block_size, nb, num_q_heads, num_kv_heads, doc, row_ptr, row, kb, partial)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """CSR by key-block row ``h * nB + kb``: (col_ptr [Hq * nB + 1], query blocks in increasing order)."""
+        if "transposed" not in self.scratch:
+            head = self.tile_row // self.num_blocks
+            qb = self.tile_row % self.num_blocks
+            key = head * self.num_blocks + self.tile_col
+            order = torch.argsort(key * self.num_blocks + qb)
+            counts = torch.bincount(key, minlength=self.num_q_heads * self.num_blocks)
+            col_ptr = torch.zeros_like(self.row_ptr)
+            torch.cumsum(counts, 0, out=col_ptr[1:])
+            self.scratch["transposed"] = (col_ptr, qb[order])
+        return self.scratch["transposed"]

@@ -1,0 +1,55 @@
+"""Exact recall of a block mask: the share of the true softmax attention mass that the kept blocks capture.
+
+This is the accuracy side of every sparsity budget (DESIGN 6), measured on sampled query rows so that its
+cost is rows x T, not T x T.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import check_cu_seqlens, check_power_of_two, check_qk, num_blocks, pair_mask, token_doc_ids
+
+_ROWS_PER_CHUNK = 64
+
+
+@torch.no_grad()
+def attention_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    block_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float | None = None,
+    num_rows: int = 256,
+    seed: int = 0,
+    per_head: bool = False,
+) -> torch.Tensor:
+    """Mean over ``num_rows`` sampled query tokens (all tokens when T is smaller) of the exact attention mass,
+    under causal document attention, that falls on tokens the mask keeps; a 0-d tensor, or [Hq] if
+    ``per_head``. Sampling uses its own generator seeded by ``seed`` so calls are reproducible."""
+    check_power_of_two("block_size", block_size)
+    check_qk(q, k)
+    check_cu_seqlens(cu_seqlens, q.shape[0])
+    num_tokens, num_q_heads, head_dim = q.shape
+    nb = num_blocks(num_tokens, block_size)
+    if block_mask.dtype != torch.bool or tuple(block_mask.shape) != (num_q_heads, nb, nb):
+        raise ValueError(f"block_mask must be bool [{num_q_heads}, {nb}, {nb}], got {tuple(block_mask.shape)}")
+    scale = head_dim**-0.5 if scale is None else scale
+    if num_rows >= num_tokens:
+        rows = torch.arange(num_tokens)
+    else:
+        rows = torch.randperm(num_tokens, generator=torch.Generator().manual_seed(seed))[:num_rows].sort().values
+    rows = rows.to(q.device)
+    doc = token_doc_ids(cu_seqlens.to(q.device), num_tokens)
+    kf = k.float().repeat_interleave(num_q_heads // k.shape[1], dim=1).transpose(0, 1)  # [Hq, T, D]
+    captured = []
+    for chunk in rows.split(_ROWS_PER_CHUNK):
+        allowed = pair_mask(doc, chunk, block_size)  # [R, T]
+        kept = pair_mask(doc, chunk, block_size, block_mask)  # [Hq, R, T]
+        scores = (q[chunk].float().transpose(0, 1) @ kf.transpose(1, 2)) * scale
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        captured.append((probs * kept).sum(dim=-1))  # [Hq, R]
+    recall = torch.cat(captured, dim=1).mean(dim=1)
+    return recall if per_head else recall.mean()

@@ -1,0 +1,189 @@
+"""``select_blocks``: XAttention-style block selection with top-p over the estimated attention mass (DESIGN 4.1).
+
+Scoring: within each stride-S group the antidiagonal of the S x S tile of q.k products is summed (a
+matmul over stride-reshaped q and reversed k, 1/S of the dense QK^T cost); a softmax over those
+stride-level scores, summed per B x B block and normalised per query block, estimates each block's share
+of the row's attention mass. On packed streams the stride-level softmax only sees causal groups that share
+a document with the query group, so the estimate never spreads mass across documents.
+
+Selection per (query head, query block): the candidates are the causal key blocks sharing a document with
+the query block (a block holding tokens of several documents is a candidate for each of them, and the
+attention kernels mask token pairs exactly); the diagonal block and the first block of the query block's
+first document are always kept; the other candidates are kept in decreasing estimated mass until the kept
+mass reaches tau of the row (tau = 1 keeps every candidate); ``max_density`` then caps the kept count at
+floor(max_density * candidates) by dropping the lowest-mass blocks, never the always-kept ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .attention import resolve_backend
+from .layout import (
+    candidate_tiles,
+    check_cu_seqlens,
+    check_power_of_two,
+    check_qk,
+    forced_tiles,
+    group_doc_range,
+    num_blocks,
+    token_doc_ids,
+)
+
+# Stride-level score elements (heads x query groups x key groups) per chunk of query blocks.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class SelectionStats:
+    """What one selection kept, per (query head, query block) row, and what other budgets would keep.
+
+    Densities are kept tiles over candidate tiles (causal tiles within documents). ``mean_density`` weights
+    rows by their candidate count, so it is the fraction of dense attention work that remains: the number
+    the latency model takes. ``kept_mass`` is the estimated (not exact) share of the attention mass kept;
+    ``attention_recall`` measures the exact one.
+    """
+
+    candidates: torch.Tensor  # int64 [nB], candidate key blocks of each query block (same for all heads)
+    forced: torch.Tensor  # int64 [nB], always-kept blocks of each query block
+    kept: torch.Tensor  # int64 [Hq, nB]
+    kept_mass: torch.Tensor  # float [Hq, nB]
+    mass_before: torch.Tensor  # float [Hq, nB, nB], estimated mass of the blocks ranked before each rank
+    row_mass: torch.Tensor  # float [Hq, nB, 1], estimated mass of each row (1 up to rounding)
+
+    def row_density(self) -> torch.Tensor:
+        """[Hq, nB] kept / candidate blocks of each row."""
+        return self.kept / self.candidates.clamp(min=1)
+
+    def mean_density(self) -> torch.Tensor:
+        """0-d: kept tiles / candidate tiles over all heads and rows."""
+        return self.kept.sum() / (self.candidates.sum() * self.kept.shape[0])
+
+    def mean_kept_mass(self) -> torch.Tensor:
+        """0-d: mean over rows of the estimated kept share of attention mass (the estimated recall)."""
+        return self.kept_mass.float().mean()
+
+    def kept_at(self, taus, max_density: float | None = None) -> torch.Tensor:
+        """[Hq, nB, len(taus)] blocks each row would keep at each tau (and cap), from the same ranking."""
+        return _kept_counts(self.mass_before, self.row_mass, self.candidates, self.forced, taus, max_density)
+
+    def density_at(self, taus, max_density: float | None = None) -> torch.Tensor:
+        """[len(taus)] mean density (as ``mean_density``) that each tau would give, optionally with a cap:
+        one searchsorted over the sorted cumulative masses, no rescoring (how DST hits a target cost)."""
+        kept = self.kept_at(taus, max_density)
+        return kept.sum(dim=(0, 1)) / (self.candidates.sum() * kept.shape[0])
+
+
+def check_fraction(name: str, value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
+
+
+def _kept_counts(mass_before, row_mass, candidates, forced, taus, max_density) -> torch.Tensor:
+    """Top-p counts [Hq, nB, M] for M values of tau: ranks whose preceding mass is below tau of the row,
+    at least the forced blocks, at most the candidates, then the cap (never below the forced blocks)."""
+    taus = torch.as_tensor(taus, dtype=mass_before.dtype, device=mass_before.device).reshape(-1)
+    if bool(((taus <= 0) | (taus > 1)).any()):
+        raise ValueError(f"every tau must lie in (0, 1], got {taus.tolist()}")
+    count = torch.searchsorted(mass_before, (taus * row_mass).contiguous())
+    all_candidates = candidates[:, None].expand_as(count)
+    count = torch.where(taus >= 1, all_candidates, count)
+    count = torch.minimum(torch.maximum(count, forced[:, None]), all_candidates)
+    if max_density is not None:
+        check_fraction("max_density", max_density)
+        cap = torch.maximum(forced, (max_density * candidates).floor().long())
+        count = torch.minimum(count, cap[:, None])
+    return count
+
+
+def estimate_block_mass(
+    q: torch.Tensor, k: torch.Tensor, doc: torch.Tensor, block_size: int, stride: int, scale: float
+) -> torch.Tensor:
+    """[Hq, nB, nB] fp32 estimated attention mass of each block, rows normalised over candidates (torch)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_q_heads // num_kv_heads
+    per_block = block_size // stride
+    nb = num_blocks(num_tokens, block_size)
+    num_groups = -(-num_tokens // stride)
+    pad = num_groups * stride - num_tokens
+    q, k = (F.pad(x.float(), (0, 0, 0, 0, 0, pad)) for x in (q, k))
+    # Row a of qs dotted with row b of ks is the antidiagonal sum of the stride tile (a, b).
+    qs = q.reshape(num_groups, stride, num_kv_heads, group, head_dim).permute(2, 3, 0, 1, 4)
+    qs = qs.reshape(num_kv_heads, group, num_groups, stride * head_dim)
+    ks = k.reshape(num_groups, stride, num_kv_heads, head_dim).flip(1).permute(2, 0, 1, 3)
+    ks = ks.reshape(num_kv_heads, 1, num_groups, stride * head_dim)
+    first, last = group_doc_range(doc, stride)
+    groups = torch.arange(num_groups, device=q.device)
+    mass = q.new_zeros(num_q_heads, nb, nb)
+    rows_per_chunk = max(per_block, (_CHUNK_ELEMENTS // (num_q_heads * num_groups)) // per_block * per_block)
+    for g0 in range(0, num_groups, rows_per_chunk):
+        g1 = min(g0 + rows_per_chunk, num_groups)
+        rows = groups[g0:g1]
+        scores = (qs[:, :, g0:g1] @ ks[:, :, :g1].transpose(-1, -2)).mul_(scale / stride)
+        allowed = (groups[None, :g1] <= rows[:, None]) & (first[g0:g1, None] <= last[None, :g1])
+        probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1)
+        b0, b1 = g0 // per_block, -(-g1 // per_block)
+        probs = F.pad(probs, (0, b1 * per_block - g1, 0, b1 * per_block - g1))
+        probs = probs.view(num_q_heads, b1 - b0, per_block, b1, per_block).sum(dim=(2, 4))
+        mass[:, b0:b1, :b1] = probs
+    return mass / mass.sum(dim=-1, keepdim=True)
+
+
+def select_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    block_size: int,
+    tau: float,
+    stride: int = 16,
+    max_density: float | None = None,
+    scale: float | None = None,
+    return_stats: bool = False,
+    backend: str = "auto",
+):
+    """Block mask bool [Hq, ceil(T/B), ceil(T/B)] for ``block_sparse_attention`` (module docstring for the rule).
+
+    q [T, Hq, D] and k [T, Hkv, D] of one packed stream (GQA: each query head is scored against its KV head);
+    cu_seqlens int32 [docs + 1]; tau in (0, 1]; stride a power of two dividing block_size; max_density in
+    (0, 1] or None; scale defaults to D ** -0.5. With ``return_stats`` returns ``(mask, SelectionStats)``.
+    ``backend`` picks the scoring kernel like ``block_sparse_attention`` does. Not differentiable.
+    """
+    check_power_of_two("block_size", block_size)
+    check_power_of_two("stride", stride)
+    if stride > block_size:
+        raise ValueError(f"stride ({stride}) must not exceed block_size ({block_size})")
+    check_fraction("tau", tau)
+    if max_density is not None:
+        check_fraction("max_density", max_density)
+    check_qk(q, k)
+    check_cu_seqlens(cu_seqlens, q.shape[0])
+    backend = resolve_backend(backend, q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    with torch.no_grad():
+        doc = token_doc_ids(cu_seqlens.to(q.device), q.shape[0])
+        if backend == "triton":
+            from .selection_triton import estimate_block_mass as estimate
+        else:
+            estimate = estimate_block_mass
+        mass = estimate(q, k, doc, block_size, stride, scale)
+        candidates = candidate_tiles(doc, block_size)
+        forced = forced_tiles(doc, cu_seqlens, block_size) & candidates
+        # Rank forced blocks first, then candidates by estimated mass, then the rest (mass 0).
+        priority = torch.where(candidates, mass + 2.0 * forced, torch.full_like(mass, -1.0))
+        order = priority.argsort(dim=-1, descending=True)
+        cumulative = mass.gather(-1, order).cumsum(dim=-1)
+        mass_before = F.pad(cumulative[..., :-1], (1, 0)).contiguous()
+        row_mass = cumulative[..., -1:]
+        num_candidates, num_forced = candidates.sum(-1), forced.sum(-1)
+        kept = _kept_counts(mass_before, row_mass, num_candidates, num_forced, [tau], max_density)[..., 0]
+        keep_sorted = torch.arange(mass.shape[-1], device=q.device) < kept[..., None]
+        mask = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    if not return_stats:
+        return mask
+    kept_mass = cumulative.gather(-1, (kept - 1).clamp(min=0)[..., None])[..., 0] / row_mass[..., 0]
+    return mask, SelectionStats(num_candidates, num_forced, kept, kept_mass, mass_before, row_mass)

@@ -1,0 +1,100 @@
+"""Triton version of the selection scoring: stride antidiagonal scores, softmax and block sums fused.
+
+Same result as ``selection.estimate_block_mass`` without materialising the (T/S)^2 stride-level scores:
+one program per (query block, query head) makes two passes over the causal key groups, the first for the
+softmax max and normaliser of each stride row, the second to add the probabilities up per key block.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import group_doc_range, num_blocks
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _stride_scores(Q, K, rows, cols, head, kv_head, row_ok, col_ok, first_q, last_k, qk_scale, T,
+                   stride_qt, stride_qh, stride_kt, stride_kh,
+                   STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """Base-2 scaled antidiagonal sums of stride tiles (rows x cols); causal, document-sharing cells only."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for i in range(STRIDE):
+        q_tok = rows * STRIDE + i
+        k_tok = cols * STRIDE + (STRIDE - 1 - i)
+        q = tl.load(Q + q_tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=(row_ok & (q_tok < T))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        k = tl.load(K + k_tok[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                    mask=(col_ok & (k_tok < T))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.dot(q, tl.trans(k), input_precision="ieee")
+    allowed = (cols[None, :] <= rows[:, None]) & (first_q[:, None] <= last_k[None, :]) & col_ok[None, :]
+    return tl.where(allowed, acc * qk_scale, float("-inf"))
+
+
+@triton.jit
+def _block_mass_kernel(
+    Q, K, FIRST, LAST, MASS,
+    qk_scale, T, NUM_GROUPS, NB,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    GROUP: tl.constexpr, STRIDE: tl.constexpr, PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    r = tl.arange(0, BLOCK_R)
+    rows = qb * PER_BLOCK + r
+    row_ok = (r < PER_BLOCK) & (rows < NUM_GROUPS)
+    first_q = tl.load(FIRST + rows, mask=row_ok, other=0)
+    end_col = tl.minimum((qb + 1) * PER_BLOCK, NUM_GROUPS)
+    row_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_R], tl.float32)
+    for c0 in range(0, end_col, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        col_ok = cols < end_col
+        last_k = tl.load(LAST + cols, mask=col_ok, other=-1)
+        s = _stride_scores(Q, K, rows, cols, head, kv_head, row_ok, col_ok, first_q, last_k, qk_scale, T,
+                           stride_qt, stride_qh, stride_kt, stride_kh, STRIDE, HEAD_DIM, BLOCK_R, BLOCK_C, BLOCK_D)
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        row_sum = row_sum * tl.exp2(row_max - safe_max) + tl.sum(tl.exp2(s - safe_max[:, None]), axis=1)
+        row_max = new_max
+    safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    inv_sum = tl.where(row_ok & (row_sum > 0), 1.0 / tl.where(row_sum > 0, row_sum, 1.0), 0.0)
+    for c0 in range(0, end_col, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        col_ok = cols < end_col
+        last_k = tl.load(LAST + cols, mask=col_ok, other=-1)
+        s = _stride_scores(Q, K, rows, cols, head, kv_head, row_ok, col_ok, first_q, last_k, qk_scale, T,
+                           stride_qt, stride_qh, stride_kt, stride_kh, STRIDE, HEAD_DIM, BLOCK_R, BLOCK_C, BLOCK_D)
+        p = tl.exp2(s - safe_max[:, None]) * inv_sum[:, None]
+        per_block = tl.sum(tl.reshape(tl.sum(p, axis=0), (BLOCK_C // PER_BLOCK, PER_BLOCK)), axis=1)
+        kb = c0 // PER_BLOCK + tl.arange(0, BLOCK_C // PER_BLOCK)
+        tl.store(MASS + (head * NB + qb) * NB + kb, per_block, mask=kb <= qb)
+
+
+def estimate_block_mass(
+    q: torch.Tensor, k: torch.Tensor, doc: torch.Tensor, block_size: int, stride: int, scale: float
+) -> torch.Tensor:
+    """[Hq, nB, nB] fp32 estimated attention mass of each block, rows normalised over candidates (Triton)."""
+    q, k = q.contiguous(), k.contiguous()
+    num_tokens, num_q_heads, head_dim = q.shape
+    nb = num_blocks(num_tokens, block_size)
+    per_block = block_size // stride
+    first, last = (x.to(torch.int32) for x in group_doc_range(doc, stride))
+    mass = torch.zeros(num_q_heads, nb, nb, dtype=torch.float32, device=q.device)
+    block_r = max(16, per_block)
+    _block_mass_kernel[(nb, num_q_heads)](
+        q, k, first, last, mass,
+        scale / stride * _LOG2E, num_tokens, first.numel(), nb,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        GROUP=num_q_heads // k.shape[1], STRIDE=stride, PER_BLOCK=per_block, HEAD_DIM=head_dim,
+        BLOCK_R=block_r, BLOCK_C=max(64, per_block), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    )
+    return mass / mass.sum(dim=-1, keepdim=True)

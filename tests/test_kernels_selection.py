@@ -1,0 +1,128 @@
+"""select_blocks: structural guarantees, top-p monotonicity, the density cap, statistics and recall."""
+
+import math
+
+import pytest
+import torch
+
+from sparsebalance_pl.kernels import attention_recall, select_blocks
+from sparsebalance_pl.kernels.layout import candidate_tiles, forced_tiles, token_doc_ids
+
+CU = torch.tensor([0, 70, 75, 200, 300], dtype=torch.int32)  # documents not aligned to blocks of 16 or 32
+
+
+def smooth_features(num_tokens, heads, head_dim, gen):
+    """Random low-frequency signals: nearby tokens look alike, so attention has structure to find."""
+    t = torch.arange(num_tokens, dtype=torch.float32)[:, None, None, None]
+    freq = torch.rand(1, heads, head_dim, 4, generator=gen) * 0.05
+    phase = torch.rand(1, heads, head_dim, 4, generator=gen) * 2 * math.pi
+    amp = torch.randn(1, heads, head_dim, 4, generator=gen)
+    return (amp * torch.sin(freq * t + phase)).sum(-1)
+
+
+def qk(seed, q_heads=4, kv_heads=2, head_dim=16, smooth=False, num_tokens=300):
+    gen = torch.Generator().manual_seed(seed)
+    if smooth:
+        return smooth_features(num_tokens, q_heads, head_dim, gen), smooth_features(num_tokens, kv_heads, head_dim, gen)
+    q = torch.randn(num_tokens, q_heads, head_dim, generator=gen)
+    return q, torch.randn(num_tokens, kv_heads, head_dim, generator=gen)
+
+
+def structure(block_size, cu=CU):
+    doc = token_doc_ids(cu, int(cu[-1]))
+    candidates = candidate_tiles(doc, block_size)
+    return candidates, forced_tiles(doc, cu, block_size) & candidates
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("tau,max_density", [(0.3, None), (0.8, None), (0.9, 0.3), (1.0, 0.5)])
+def test_structure_and_cap(seed, tau, max_density):
+    q, k = qk(seed)
+    mask = select_blocks(q, k, CU, block_size=16, tau=tau, stride=8, max_density=max_density)
+    candidates, forced = structure(16)
+    assert mask.dtype == torch.bool and mask.shape == (4, 19, 19)
+    assert not (mask & ~candidates).any()  # nothing above the diagonal, nothing across documents
+    assert (mask | ~forced).all()  # diagonal and document-first blocks kept
+    if max_density is not None:
+        cap = torch.maximum(forced.sum(-1), (max_density * candidates.sum(-1)).floor().long())
+        assert (mask.sum(-1) <= cap).all()
+
+
+def test_non_contiguous_inputs_give_the_same_mask():
+    q, k = qk(3)
+    q_t, k_t = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k))
+    want = select_blocks(q, k, CU, block_size=16, tau=0.8, stride=8)
+    assert torch.equal(select_blocks(q_t, k_t, CU, block_size=16, tau=0.8, stride=8), want)
+
+
+def test_tau_one_keeps_every_candidate():
+    q, k = qk(1)
+    mask = select_blocks(q, k, CU, block_size=32, tau=1.0, stride=16)
+    candidates, _ = structure(32)
+    assert torch.equal(mask, candidates.expand_as(mask))
+
+
+def test_density_grows_with_tau_and_stats_predict_other_taus():
+    q, k = qk(2, smooth=True)
+    taus = [0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 1.0]
+    masks, stats = [], None
+    for tau in taus:
+        mask, s = select_blocks(q, k, CU, block_size=16, tau=tau, stride=8, return_stats=True)
+        masks.append(mask)
+        stats = stats or s
+    for smaller, larger in zip(masks, masks[1:]):
+        assert not (smaller & ~larger).any()  # same ranking, so the kept sets are nested
+    candidates, _ = structure(16)
+    densities = [float(m.sum() / (candidates.sum() * m.shape[0])) for m in masks]
+    assert densities == sorted(densities)
+    assert stats.density_at(taus).tolist() == pytest.approx(densities)
+    capped = select_blocks(q, k, CU, block_size=16, tau=0.9, stride=8, max_density=0.4)
+    assert float(stats.density_at([0.9], max_density=0.4)) == pytest.approx(
+        float(capped.sum() / (candidates.sum() * capped.shape[0]))
+    )
+
+
+def test_stats_describe_the_mask():
+    q, k = qk(4, smooth=True)
+    mask, stats = select_blocks(q, k, CU, block_size=16, tau=0.7, stride=8, return_stats=True)
+    candidates, _ = structure(16)
+    assert torch.equal(stats.kept, mask.sum(-1))
+    assert torch.equal(stats.candidates, candidates.sum(-1))
+    assert float(stats.mean_density()) == pytest.approx(float(mask.sum() / (candidates.sum() * 4)))
+    assert ((stats.kept_mass > 0) & (stats.kept_mass <= 1 + 1e-5)).all()
+    assert float(stats.mean_kept_mass()) >= 0.7 - 1e-5
+    assert stats.row_density().shape == (4, 19)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("tau", [0.5, 0.8, 0.9])
+def test_exact_recall_reaches_tau_on_smooth_inputs(seed, tau):
+    q, k = qk(seed, smooth=True)
+    mask = select_blocks(q, k, CU, block_size=16, tau=tau, stride=8)
+    recall = attention_recall(q, k, mask, CU, block_size=16, num_rows=128, seed=seed)
+    assert float(recall) >= tau - 0.05
+
+
+def test_recall_of_full_mask_is_one():
+    q, k = qk(0)
+    candidates, _ = structure(16)
+    full = candidates.expand(4, -1, -1).clone()
+    assert attention_recall(q, k, full, CU, block_size=16, per_head=True).tolist() == pytest.approx([1.0] * 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(block_size=16, tau=0.0), "tau"),
+        (dict(block_size=16, tau=1.5), "tau"),
+        (dict(block_size=48, tau=0.9), "block_size"),
+        (dict(block_size=16, tau=0.9, stride=32), "stride"),
+        (dict(block_size=16, tau=0.9, stride=3), "stride"),
+        (dict(block_size=16, tau=0.9, max_density=0.0), "max_density"),
+        (dict(block_size=16, tau=0.9, backend="fast"), "auto, torch, triton"),
+    ],
+)
+def test_invalid_arguments(kwargs, match):
+    q, k = qk(0)
+    with pytest.raises(ValueError, match=match):
+        select_blocks(q, k, CU, **kwargs)
