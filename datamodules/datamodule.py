@@ -11,7 +11,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
 from sparsebalance_pl.datamodules.packing import collate_packed
-from sparsebalance_pl.datamodules.sampler import PaddingItem, PlannedBatchSampler
+from sparsebalance_pl.datamodules.planner import PlannerConfig
+from sparsebalance_pl.datamodules.sampler import (
+    EpochPlan,
+    PaddingItem,
+    PlannedBatchSampler,
+    first_fit_plan,
+    plan_efficiency,
+    sparsity_aware_plan,
+)
 from sparsebalance_pl.datamodules.synthetic import LengthPrior
 from sparsebalance_pl.datamodules.tokenizer import load_tokenizer
 from sparsebalance_pl.errors import ConfigError
@@ -55,11 +63,23 @@ class LongContextDataModule(L.LightningDataModule):
         num_documents: size of the synthetic corpus (train and validation together).
         length_distribution: ``wlbllm``, ``prolong`` or a JSON file of lengths (synthetic corpus).
         max_doc_tokens: longest document; longer ones are split into pieces of this length.
-        max_tokens: tokens per micro-batch on one rank (at least ``max_doc_tokens``).
+        max_tokens: most tokens in one micro-batch on one rank (memory; at least ``max_doc_tokens``).
+        tokens_per_rank: with ``sab``, the token budget of a global batch per rank (default ``max_tokens``).
+            Smaller budgets leave headroom up to ``max_tokens`` but cut smaller global batches, where the
+            costliest single document caps balance more often.
         val_fraction: fraction of documents (or files) held out for validation.
         seed: seed of the corpus and of the per-epoch shuffling.
         num_workers: dataloader worker processes per rank.
         build_workers: processes used to build the litdata dataset.
+        batching: ``sab`` (sparsity-aware: micro-batches of equal predicted time, DESIGN.md 4.5) or
+            ``first_fit`` (the token-count baseline).
+        defer_window: with ``sab``, the most steps an outlier document may be deferred (0: never), which lets
+            balance pass the single-step cap set by the costliest document.
+        micro_batches: micro-batches per rank and optimiser step; must equal
+            ``trainer.accumulate_grad_batches``.
+
+    Costs for ``sab`` come from the LightningModule's ``document_costs(lengths) -> seconds`` when it has one
+    (SparseQwen: latency model at the estimated density of each document); otherwise from token counts.
     """
 
     def __init__(
@@ -76,8 +96,18 @@ class LongContextDataModule(L.LightningDataModule):
         seed: int = 0,
         num_workers: int = 0,
         build_workers: int = 1,
+        batching: Literal["sab", "first_fit"] = "sab",
+        tokens_per_rank: int | None = None,
+        defer_window: int = 0,
+        micro_batches: int = 1,
     ) -> None:
         super().__init__()
+        if batching not in ("sab", "first_fit"):
+            raise ConfigError(f"data.batching={batching!r} is unknown; allowed: 'sab', 'first_fit'")
+        if defer_window < 0 or micro_batches < 1:
+            raise ConfigError(
+                f"data.defer_window={defer_window} must be >= 0 and data.micro_batches={micro_batches} >= 1"
+            )
         if source not in ("synthetic", "folder"):
             raise ConfigError(f"data.source={source!r} is unknown; allowed: 'synthetic', 'folder'")
         if max_doc_tokens < 2:
@@ -105,6 +135,18 @@ class LongContextDataModule(L.LightningDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.build_workers = build_workers
+        self.batching = batching
+        self.tokens_per_rank = tokens_per_rank or max_tokens
+        if not max_doc_tokens <= self.tokens_per_rank <= max_tokens:
+            raise ConfigError(
+                f"data.tokens_per_rank={self.tokens_per_rank} must lie between data.max_doc_tokens={max_doc_tokens} "
+                f"and data.max_tokens={max_tokens}"
+            )
+        self.defer_window = defer_window
+        self.micro_batches = micro_batches
+        self.train_sampler: PlannedBatchSampler | None = None
+        self.planned_efficiency: dict[int, float] = {}
+        self._resume: dict | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -123,19 +165,54 @@ class LongContextDataModule(L.LightningDataModule):
     def lengths(self, split: str) -> np.ndarray:
         return load_lengths(self.data_dir / split)
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        lengths = self.lengths(split)
+    def _ranks(self) -> tuple[int, int]:
         trainer = self.trainer
-        num_ranks = trainer.world_size if trainer is not None else 1
-        rank = trainer.global_rank if trainer is not None else 0
-        sampler = PlannedBatchSampler(
-            lengths,
-            max_tokens=self.max_tokens,
-            num_ranks=num_ranks,
-            rank=rank,
-            seed=self.seed,
-            shuffle=shuffle,
-        )
+        return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+
+    def _document_costs(self, lengths: np.ndarray) -> np.ndarray:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        costs_of = getattr(module, "document_costs", None)
+        return np.asarray(costs_of(lengths) if costs_of is not None else lengths, dtype=np.float64)
+
+    def _train_plan(self, lengths: np.ndarray, epoch: int) -> EpochPlan:
+        num_ranks, _ = self._ranks()
+        if self.batching == "first_fit":
+            plan = first_fit_plan(
+                lengths, self._document_costs(lengths), max_tokens=self.max_tokens, num_ranks=num_ranks,
+                seed=self.seed, epoch=epoch, shuffle=True,
+            )
+        else:
+            config = PlannerConfig(
+                world_size=num_ranks,
+                tokens_per_rank=self.tokens_per_rank,
+                capacity=self.max_tokens,
+                micro_batches=self.micro_batches,
+                defer_window=self.defer_window,
+                seed=self.seed,
+            )
+            plan = sparsity_aware_plan(lengths, self._document_costs, config, epoch)
+        self.planned_efficiency[epoch] = plan_efficiency(plan)
+        return plan
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        lengths = self.lengths(split)
+        num_ranks, rank = self._ranks()
+        if train:
+            resume = self._resume or {"epoch": 0, "batches_consumed": 0}
+            self._resume = None
+            sampler = PlannedBatchSampler(
+                lambda epoch: self._train_plan(lengths, epoch),
+                rank=rank,
+                epoch=resume["epoch"],
+                skip=resume["batches_consumed"],
+            )
+            self.train_sampler = sampler
+        else:
+            plan = first_fit_plan(
+                lengths, lengths, max_tokens=self.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=0,
+                shuffle=False,
+            )
+            sampler = PlannedBatchSampler(lambda epoch: plan, rank=rank)
         return DataLoader(
             StreamingMapView(self.data_dir / split, len(lengths)),
             batch_sampler=sampler,
@@ -145,10 +222,28 @@ class LongContextDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        return self._loader("train", train=True)
 
     def val_dataloader(self) -> DataLoader | list:
-        return self._loader("val", shuffle=False) if self.val_fraction > 0 else []
+        return self._loader("val", train=False) if self.val_fraction > 0 else []
 
     def test_dataloader(self) -> DataLoader | list:
         return self.val_dataloader()
+
+    def state_dict(self) -> dict:
+        """Where the training stream stands: the epoch and the micro-batches this rank has consumed in it.
+
+        Counted from the fit loop's completed batches, not from the sampler, which runs ahead of training
+        when batches are prefetched.
+        """
+        trainer = self.trainer
+        if trainer is None:
+            return {}
+        return {
+            "epoch": trainer.current_epoch,
+            "batches_consumed": trainer.fit_loop.epoch_loop.batch_progress.current.completed,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume = dict(state) if state else None
+

@@ -9,7 +9,14 @@ import torch
 from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
 from sparsebalance_pl.datamodules.datamodule import LongContextDataModule, StreamingMapView
 from sparsebalance_pl.datamodules.packing import collate_packed, first_fit
-from sparsebalance_pl.datamodules.sampler import PlannedBatchSampler, first_fit_plan
+from sparsebalance_pl.datamodules.planner import PlannerConfig
+from sparsebalance_pl.datamodules.sampler import (
+    PaddingItem,
+    PlannedBatchSampler,
+    first_fit_plan,
+    plan_efficiency,
+    sparsity_aware_plan,
+)
 from sparsebalance_pl.datamodules.synthetic import LengthPrior, synthetic_document
 from sparsebalance_pl.datamodules.tokenizer import ByteTokenizer
 from sparsebalance_pl.errors import DataError
@@ -49,18 +56,44 @@ def test_first_fit_respects_capacity_and_uses_every_document():
         first_fit(np.array([200]), np.arange(1), max_tokens=128)
 
 
-def test_plan_is_identical_on_every_rank_and_equal_in_length():
+def _first_fit(lengths, epoch, num_ranks=3, shuffle=True):
+    return first_fit_plan(lengths, lengths, max_tokens=2048, num_ranks=num_ranks, seed=5, epoch=epoch, shuffle=shuffle)
+
+
+def _sab(lengths, epoch, num_ranks=3, cost=lambda n: 2000 * n + n**2, defer_window=8):
+    config = PlannerConfig(world_size=num_ranks, tokens_per_rank=2048, seed=5, defer_window=defer_window)
+    return sparsity_aware_plan(lengths, cost, config, epoch)
+
+
+@pytest.mark.parametrize("plan_fn", [_first_fit, _sab])
+def test_plan_is_identical_on_every_rank_and_equal_in_length(plan_fn):
     lengths = np.random.default_rng(1).integers(10, 1000, 400)
-    samplers = [PlannedBatchSampler(lengths, max_tokens=2048, num_ranks=3, rank=r, seed=5) for r in range(3)]
+    samplers = [PlannedBatchSampler(lambda e: plan_fn(lengths, e), rank=r) for r in range(3)]
     per_rank = [list(s) for s in samplers]
-    assert len({len(p) for p in per_rank}) == 1
-    seen = [i for p in per_rank for b in p for i in b]
+    assert len({len(p) for p in per_rank}) == 1 and len(per_rank[0]) == len(samplers[0])
+    seen = [i for p in per_rank for b in p for i in b if not isinstance(i, PaddingItem)]
     assert len(seen) == len(set(seen))
-    assert first_fit_plan(lengths, max_tokens=2048, num_ranks=3, seed=5, epoch=0, shuffle=True) == [
-        list(step) for step in zip(*per_rank)
-    ]
+    assert all(lengths[[i for i in b if not isinstance(i, PaddingItem)]].sum() <= 2048 for p in per_rank for b in p)
     samplers[0].set_epoch(1)
     assert list(samplers[0]) != per_rank[0]
+
+
+def test_sab_uses_every_document_once_and_balances_predicted_time():
+    lengths = LengthPrior.load("wlbllm").sample(1000, np.random.default_rng(2), 2048)
+    sab = _sab(lengths, 0)
+    used = sorted(i for step in sab for r in step.micro_batches for mb in r for i in mb if not isinstance(i, PaddingItem))
+    assert used == list(range(1000))
+    costs = 2000.0 * lengths + lengths.astype(float) ** 2
+    baseline = first_fit_plan(lengths, costs, max_tokens=2048, num_ranks=3, seed=5, epoch=0, shuffle=True)
+    assert plan_efficiency(sab) > plan_efficiency(baseline) + 0.03
+
+
+def test_resumed_sampler_skips_exactly_what_was_consumed():
+    lengths = np.random.default_rng(3).integers(10, 1000, 300)
+    full = list(PlannedBatchSampler(lambda e: _sab(lengths, e), rank=1, epoch=2))
+    resumed = PlannedBatchSampler(lambda e: _sab(lengths, e), rank=1, epoch=2, skip=7)
+    assert list(resumed) == full[7:]
+    assert list(resumed) == full  # later passes start at the beginning again
 
 
 def test_synthetic_dataset_round_trip(tmp_path):
@@ -129,13 +162,11 @@ def test_tokenizers():
 
 
 def test_evaluation_plan_pads_instead_of_dropping():
-    from sparsebalance_pl.datamodules.sampler import PaddingItem
-
     lengths = np.array([100, 100, 100, 30])
-    plan = first_fit_plan(lengths, max_tokens=100, num_ranks=3, seed=0, epoch=0, shuffle=False)
-    assert [len(step) for step in plan] == [3, 3]
-    assert plan[1][1:] == [[PaddingItem(3)], [PaddingItem(3)]]
-    real = sorted(i for step in plan for mb in step for i in mb if not isinstance(i, PaddingItem))
+    plan = first_fit_plan(lengths, lengths, max_tokens=100, num_ranks=3, seed=0, epoch=0, shuffle=False)
+    assert [len(step.micro_batches) for step in plan] == [3, 3]
+    assert plan[1].micro_batches[1:] == [[[PaddingItem(3)]], [[PaddingItem(3)]]]
+    real = sorted(i for step in plan for r in step.micro_batches for mb in r for i in mb if not isinstance(i, PaddingItem))
     assert real == [0, 1, 2, 3]
     batch = collate_packed([{"tokens": np.arange(5), "bears_loss": False}, {"tokens": np.arange(3)}])
     assert batch["targets"].tolist() == [[-100] * 5 + [1, 2, -100]]

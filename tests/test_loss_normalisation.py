@@ -64,6 +64,7 @@ def _rank_main(rank, port, split, out_path):
         grads = _full_grads(module)
         if rank == 0:
             torch.save(grads, out_path)
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,95 @@
+"""Profiler: a tiny profile with the real kernels, the timing rule, and the start-of-run fallbacks."""
+
+import logging
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+from sparsebalance_pl.latency import LatencyModel
+from sparsebalance_pl.model import ModelDims
+from sparsebalance_pl.profiler import ProfileGrid, latency_model_for_run, measure_seconds, profile_hardware
+
+TINY = ModelDims(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=128)
+TINY_GRID = ProfileGrid(lengths=(128, 256), densities=(0.5, 1.0), token_counts=(128, 2048), repeats=2, cell_seconds=0.5)
+KERNELS = dict(block_size=32, stride=8)
+
+
+@contextmanager
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    """Timed in CPU time on one thread, so other jobs on a shared machine cannot distort the tiny timings."""
+    path = tmp_path_factory.mktemp("profile") / "table.json"
+    with one_thread():
+        return path, profile_hardware(TINY, grid=TINY_GRID, progress=False, output=path, clock="cpu", **KERNELS)
+
+
+def test_tiny_profile_measures_every_part_and_describes_itself(tiny_profile):
+    path, model = tiny_profile
+    table = model.table
+    assert table.attention.shape == (2, 2) and table.selection.shape == (2,)
+    assert np.all(table.attention > 0) and table.token_layer > 0 and table.token_head >= 0
+    assert table.selection_scope in ("stream", "document")
+    meta = table.meta
+    assert meta.device.endswith("(1 threads)") and meta.notes["clock"] == "cpu"
+    assert meta.dims["num_layers"] == 2 and meta.dims["head_dim"] == 32
+    assert (meta.block_size, meta.stride, meta.dtype) == (32, 8, "float32")
+    assert set(meta.versions) == {"torch", "triton", "transformers"}
+    loaded = LatencyModel.from_file(path, TINY, **KERNELS)
+    assert loaded.predict([100, 200], 0.7) == pytest.approx(model.predict([100, 200], 0.7))
+    assert model.predict([256], 1.0) > model.predict([128], 1.0)
+    with pytest.raises(ValueError, match="set_num_threads"):
+        profile_hardware(TINY, grid=TINY_GRID, progress=False, clock="cpu", **KERNELS)  # with 2 threads
+
+
+def test_measure_seconds_takes_the_fastest_run_after_a_warm_up():
+    durations = [0.03, 0.02, 0.01, 0.02]
+    calls = []
+
+    def work():
+        time.sleep(durations[len(calls)])
+        calls.append(1)
+
+    fastest = measure_seconds(work, device=torch.device("cpu"), repeats=3, budget=10.0)
+    assert len(calls) == 4 and 0.01 <= fastest < 0.02
+    slow = measure_seconds(lambda: time.sleep(0.05), device=torch.device("cpu"), repeats=5, budget=0.01)
+    assert slow >= 0.05  # a warm-up longer than the budget is the only sample
+
+
+def test_run_start_uses_a_fitting_table_without_profiling(tiny_profile, monkeypatch):
+    path, model = tiny_profile
+    monkeypatch.setattr("sparsebalance_pl.profiler.profile_hardware", pytest.fail)
+    with one_thread():  # the device the table names
+        loaded = latency_model_for_run(path, TINY, device="cpu", **KERNELS)
+    assert loaded.predict([200], 0.5) == pytest.approx(model.predict([200], 0.5))
+
+
+def test_run_start_falls_back_to_the_prior_or_a_profile_for_bad_tables(tmp_path, caplog, monkeypatch):
+    path = tmp_path / "table.json"
+    path.write_text("{corrupt")
+    with caplog.at_level(logging.WARNING):
+        prior = latency_model_for_run(path, TINY, device="cpu", profile=False, **KERNELS)
+    assert prior.table.meta.source == "analytic"
+    assert "not JSON" in caplog.text and "analytic prior" in caplog.text
+
+    profiled = []
+    monkeypatch.setattr(
+        "sparsebalance_pl.profiler.profile_hardware",
+        lambda dims, **kw: profiled.append(kw) or LatencyModel.analytic(dims, block_size=32, stride=8),
+    )
+    other = ModelDims(num_layers=3, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=128)
+    LatencyModel.analytic(other, **KERNELS).save(path)
+    latency_model_for_run(path, TINY, device="cpu", **KERNELS)
+    assert profiled and profiled[0]["output"] == path and profiled[0]["quick"]
+    assert "num_layers: table 3 != model 2" in caplog.text
