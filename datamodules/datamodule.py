@@ -10,7 +10,8 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
-from sparsebalance_pl.datamodules.packing import collate_packed
+from sparsebalance_pl.datamodules.eval_tasks import TASKS, EvalConfig, make_eval_samples
+from sparsebalance_pl.datamodules.packing import collate_answers, collate_packed
 from sparsebalance_pl.datamodules.planner import PlannerConfig
 from sparsebalance_pl.datamodules.sampler import (
     EpochPlan,
@@ -25,25 +26,25 @@ from sparsebalance_pl.datamodules.tokenizer import load_tokenizer
 from sparsebalance_pl.errors import ConfigError
 
 
-class StreamingMapView(Dataset):
-    """Map-style access to a litdata StreamingDataset by global index (it is an IterableDataset otherwise).
+class PlanItems(Dataset):
+    """A map-style view indexed by plan items: a document index, or a ``PaddingItem`` (that document, bearing
+    no loss).
 
-    ``len`` is the whole dataset: litdata's own ``len`` is the current rank's shard.
+    ``base`` is anything indexable by global document index: a litdata StreamingDataset (an IterableDataset
+    whose own ``len`` is the current rank's shard, hence ``size``) or a list of samples.
     """
 
-    def __init__(self, path: Path, num_samples: int) -> None:
-        import litdata
-
-        self.stream = litdata.StreamingDataset(str(path))
-        self.num_samples = num_samples
+    def __init__(self, base, size: int) -> None:
+        self.base = base
+        self.size = size
 
     def __len__(self) -> int:
-        return self.num_samples
+        return self.size
 
     def __getitem__(self, key: int | PaddingItem) -> dict:
         if isinstance(key, PaddingItem):
-            return {**self.stream[key.index], "bears_loss": False}
-        return self.stream[key]
+            return {**self.base[key.index], "bears_loss": False}
+        return self.base[key]
 
 
 class LongContextDataModule(L.LightningDataModule):
@@ -77,6 +78,10 @@ class LongContextDataModule(L.LightningDataModule):
             balance pass the single-step cap set by the costliest document.
         micro_batches: micro-batches per rank and optimiser step; must equal
             ``trainer.accumulate_grad_batches``.
+        eval_tasks: synthetic retrieval tasks served by ``test`` (``passkey``, ``multikey_niah``,
+            ``kv_retrieval``), scored by exact match per task and context length.
+        eval_lengths: their context lengths in tokens (default: 512, 1024, ... up to ``max_doc_tokens``).
+        eval_samples_per_cell: samples per task and length.
 
     Costs for ``sab`` come from the LightningModule's ``document_costs(lengths) -> seconds`` when it has one
     (SparseQwen: latency model at the estimated density of each document); otherwise from token counts.
@@ -100,6 +105,9 @@ class LongContextDataModule(L.LightningDataModule):
         tokens_per_rank: int | None = None,
         defer_window: int = 0,
         micro_batches: int = 1,
+        eval_tasks: list[str] = list(TASKS),
+        eval_lengths: list[int] | None = None,
+        eval_samples_per_cell: int = 16,
     ) -> None:
         super().__init__()
         if batching not in ("sab", "first_fit"):
@@ -144,6 +152,15 @@ class LongContextDataModule(L.LightningDataModule):
             )
         self.defer_window = defer_window
         self.micro_batches = micro_batches
+        default_lengths = [n for n in (512, 1024, 2048, 4096, 8192, 16384, 32768) if n <= max_doc_tokens]
+        self.eval_config = EvalConfig(
+            tasks=tuple(eval_tasks),
+            lengths=tuple(eval_lengths or default_lengths or [max_doc_tokens]),
+            samples_per_cell=eval_samples_per_cell,
+            seed=seed + 1,
+        )
+        if max(self.eval_config.lengths) > max_tokens:
+            raise ConfigError(f"data.eval_lengths={list(self.eval_config.lengths)} exceed data.max_tokens={max_tokens}")
         self.train_sampler: PlannedBatchSampler | None = None
         self.planned_efficiency: dict[int, float] = {}
         self._resume: dict | None = None
@@ -195,6 +212,8 @@ class LongContextDataModule(L.LightningDataModule):
         return plan
 
     def _loader(self, split: str, train: bool) -> DataLoader:
+        import litdata  # heavy to import; only the dataloader hooks need it
+
         lengths = self.lengths(split)
         num_ranks, rank = self._ranks()
         if train:
@@ -214,7 +233,7 @@ class LongContextDataModule(L.LightningDataModule):
             )
             sampler = PlannedBatchSampler(lambda epoch: plan, rank=rank)
         return DataLoader(
-            StreamingMapView(self.data_dir / split, len(lengths)),
+            PlanItems(litdata.StreamingDataset(str(self.data_dir / split)), len(lengths)),
             batch_sampler=sampler,
             collate_fn=collate_packed,
             num_workers=self.num_workers,
@@ -227,8 +246,19 @@ class LongContextDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         return self._loader("val", train=False) if self.val_fraction > 0 else []
 
-    def test_dataloader(self) -> DataLoader | list:
-        return self.val_dataloader()
+    def test_dataloader(self) -> DataLoader:
+        """The synthetic retrieval tasks (``eval_tasks`` at ``eval_lengths``), generated in memory."""
+        samples = make_eval_samples(self.eval_config, self.tokenizer)
+        lengths = np.array([len(s["tokens"]) for s in samples])
+        num_ranks, rank = self._ranks()
+        plan = first_fit_plan(
+            lengths, lengths, max_tokens=self.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=0, shuffle=False
+        )
+        return DataLoader(
+            PlanItems(samples, len(samples)),
+            batch_sampler=PlannedBatchSampler(lambda epoch: plan, rank=rank),
+            collate_fn=collate_answers,
+        )
 
     def state_dict(self) -> dict:
         """Where the training stream stands: the epoch and the micro-batches this rank has consumed in it.

@@ -63,3 +63,21 @@ def _next_tokens(tokens: torch.Tensor, bears_loss: bool) -> torch.Tensor:
     if not bears_loss:
         return torch.full_like(tokens, IGNORE_INDEX)
     return torch.cat([tokens[1:], tokens.new_full((1,), IGNORE_INDEX)])
+
+
+def collate_answers(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """A packed stream of evaluation samples plus where each answer lies in it.
+
+    ``answer_spans`` [n, 2] holds each sample's answer as stream positions [start, end); ``cells`` [n] the
+    sample's (task, length) cell. Padding samples carry no answer and are left out of both.
+    """
+    batch = collate_packed(samples)
+    starts = batch["cu_seqlens"][:-1].long()
+    spans, cells = [], []
+    for sample, start in zip(samples, starts.tolist()):
+        if sample.get("bears_loss", True):
+            spans.append([start + sample["answer_start"], start + len(sample["tokens"])])
+            cells.append(sample["cell"])
+    batch["answer_spans"] = torch.tensor(spans, dtype=torch.long).reshape(-1, 2)
+    batch["cells"] = torch.tensor(cells, dtype=torch.long)
+    return batch

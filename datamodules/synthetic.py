@@ -106,10 +106,10 @@ def filler(rng: np.random.Generator, num_chars: int) -> str:
     return "".join(sentences)[:num_chars]
 
 
-def haystack(rng: np.random.Generator, num_chars: int, needles: list[Needle]) -> str:
-    """Filler of about ``num_chars`` characters with the needles' facts at random depths and their questions
-    and answers at the end."""
-    tail = "".join(f"{n.question}{n.answer} " for n in needles)
+def haystack(rng: np.random.Generator, num_chars: int, needles: list[Needle], ask: bool = True) -> str:
+    """Filler of about ``num_chars`` characters with the needles' facts at random depths and, with ``ask``,
+    their questions and answers at the end."""
+    tail = "".join(f"{n.question}{n.answer} " for n in needles) if ask else ""
     body_chars = max(0, num_chars - len(tail) - sum(len(n.fact) for n in needles))
     body = filler(rng, body_chars)
     cuts = np.sort(rng.integers(0, len(body) + 1, len(needles)))

@@ -22,3 +22,23 @@ class TokenMeanLoss(Metric):
 
     def compute(self) -> torch.Tensor:
         return (self.loss_sum / self.tokens.clamp_min(1.0)).float()
+
+
+class CellAccuracy(Metric):
+    """Exact-match accuracy per named cell (for example ``passkey@4096``), summed over ranks."""
+
+    full_state_update = False
+
+    def __init__(self, cells: list[str]) -> None:
+        super().__init__()
+        self.cells = list(cells)
+        self.add_state("correct", default=torch.zeros(len(cells), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("total", default=torch.zeros(len(cells), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, cells: torch.Tensor, correct: torch.Tensor) -> None:
+        self.correct.index_add_(0, cells, correct.double())
+        self.total.index_add_(0, cells, torch.ones_like(correct, dtype=torch.float64))
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        accuracy = (self.correct / self.total.clamp_min(1.0)).float()
+        return {name: accuracy[i] for i, name in enumerate(self.cells) if self.total[i] > 0}

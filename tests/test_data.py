@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
-from sparsebalance_pl.datamodules.datamodule import LongContextDataModule, StreamingMapView
+from sparsebalance_pl.datamodules.datamodule import LongContextDataModule, PlanItems
 from sparsebalance_pl.datamodules.packing import collate_packed, first_fit
 from sparsebalance_pl.datamodules.planner import PlannerConfig
 from sparsebalance_pl.datamodules.sampler import (
@@ -105,7 +105,9 @@ def test_synthetic_dataset_round_trip(tmp_path):
         val_fraction=0.1,
     )
     lengths = load_lengths(tmp_path / "train")
-    view = StreamingMapView(tmp_path / "train", len(lengths))
+    import litdata
+
+    view = PlanItems(litdata.StreamingDataset(str(tmp_path / "train")), len(lengths))
     assert len(lengths) + len(load_lengths(tmp_path / "val")) == 40
     for i in (0, len(lengths) - 1):
         sample = view[i]
@@ -170,3 +172,24 @@ def test_evaluation_plan_pads_instead_of_dropping():
     assert real == [0, 1, 2, 3]
     batch = collate_packed([{"tokens": np.arange(5), "bears_loss": False}, {"tokens": np.arange(3)}])
     assert batch["targets"].tolist() == [[-100] * 5 + [1, 2, -100]]
+
+
+def test_eval_tasks_hold_their_answers_at_the_end():
+    from sparsebalance_pl.datamodules.eval_tasks import EvalConfig, make_eval_samples
+    from sparsebalance_pl.datamodules.packing import collate_answers
+
+    config = EvalConfig(lengths=(256, 512), samples_per_cell=2)
+    samples = make_eval_samples(config, ByteTokenizer())
+    assert len(samples) == 3 * 2 * 2 and [s["cell"] for s in samples[:4]] == [0, 0, 1, 1]
+    tok = ByteTokenizer()
+    for s in samples:
+        assert len(s["tokens"]) <= s["length"]
+        answer = tok.decode(s["tokens"][s["answer_start"]:].tolist()).strip(" .")
+        context = tok.decode(s["tokens"][: s["answer_start"]].tolist())
+        haystack_part, question = context.rsplit("?", 1)
+        assert answer in haystack_part and answer not in question  # planted in the context, not given away
+    assert config.cells[:2] == ["passkey@256", "passkey@512"]
+    batch = collate_answers([samples[0], {**samples[1], "bears_loss": False}, samples[5]])
+    first_end = len(samples[0]["tokens"])
+    assert batch["answer_spans"][0].tolist() == [samples[0]["answer_start"], first_end]
+    assert batch["cells"].tolist() == [0, 2] and batch["answer_spans"].shape == (2, 2)
