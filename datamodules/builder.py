@@ -8,7 +8,6 @@ module can tell whether an existing folder still matches its configuration.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -59,15 +58,38 @@ class FolderSource:
         return cls(files)
 
     def describe(self) -> dict:
-        digest = hashlib.sha256()
+        """Each file's size and modification time, so a rebuild can say which files changed."""
+        files = {}
         for name in self.files:
             stat = Path(name).stat()
-            digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-        return {"kind": "folder", "files": len(self.files), "fingerprint": digest.hexdigest()}
+            files[name] = f"{stat.st_size}:{stat.st_mtime_ns}"
+        return {"kind": "folder", "files": files}
 
 
-def read_documents(path: str) -> Iterator[str]:
-    """The documents of one text file, naming the file and line of anything unreadable."""
+def describe_changes(old: dict, new: dict) -> str:
+    """What differs between two manifests, naming the files of a folder source that were added, removed or
+    modified."""
+    old_files = old.get("source", {}).get("files")
+    new_files = new["source"].get("files")
+    if not isinstance(old_files, dict) or not isinstance(new_files, dict):
+        changed = sorted(k for k in new if old.get(k) != new[k])
+        return f"settings changed: {', '.join(changed)}"
+    parts = []
+    for label, names in (
+        ("added", sorted(set(new_files) - set(old_files))),
+        ("removed", sorted(set(old_files) - set(new_files))),
+        ("modified", sorted(n for n in set(old_files) & set(new_files) if old_files[n] != new_files[n])),
+    ):
+        if names:
+            parts.append(f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
+    others = sorted(k for k in new if k != "source" and old.get(k) != new[k])
+    if others:
+        parts.append(f"settings changed: {', '.join(others)}")
+    return "; ".join(parts) or "source changed"
+
+
+def read_documents(path: str) -> Iterator[tuple[str, str]]:
+    """(where, text) of each document of one text file, naming the file and line of anything unreadable."""
     file = Path(path)
     try:
         raw = file.read_bytes()
@@ -76,22 +98,32 @@ def read_documents(path: str) -> Iterator[str]:
         log.warning("%s: not valid UTF-8 at byte %d; undecodable bytes replaced", path, err.start)
         text = raw.decode("utf-8", errors="replace")
     if file.suffix == ".txt":
-        yield text
+        yield path, text
         return
     for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-            yield record["text"]
+            yield f"{path}:{line_no}", record["text"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             log.warning("%s:%d: skipped, not a JSON object with a 'text' field (%s)", path, line_no, err)
 
 
-def _encode_chunks(text: str, tokenizer: Tokenizer, max_doc_tokens: int) -> Iterator[dict]:
-    """A document as samples of at most ``max_doc_tokens`` tokens (end-of-document token included)."""
+def _encode_chunks(
+    text: str, tokenizer: Tokenizer, max_doc_tokens: int, oversize: str, where: str
+) -> Iterator[dict]:
+    """A document as samples of at most ``max_doc_tokens`` tokens (end-of-document token included).
+
+    Empty documents are skipped and longer ones split or rejected (``oversize``), each reported with
+    ``where`` (file and line) in the log.
+    """
     ids = tokenizer.encode(text) + [tokenizer.eos_id]
-    if len(ids) < 2:
+    if len(ids) < 2 or not text.strip():
+        log.warning("%s: empty document skipped", where)
+        return
+    if len(ids) > max_doc_tokens and oversize == "reject":
+        log.warning("%s: document of %d tokens rejected (data.max_doc_tokens=%d)", where, len(ids), max_doc_tokens)
         return
     for start in range(0, len(ids), max_doc_tokens):
         piece = np.asarray(ids[start : start + max_doc_tokens], dtype=np.int32)
@@ -104,13 +136,14 @@ def _synthetic_sample(item: tuple[int, int, int], tokenizer_spec: str, max_doc_t
     rng = np.random.default_rng([seed, index])
     tokenizer = load_tokenizer(tokenizer_spec)
     # The byte tokenizer makes one token per character; other tokenizers are cut to length after encoding.
-    yield from _encode_chunks(synthetic_document(rng, num_tokens - 1), tokenizer, max_doc_tokens)
+    text = synthetic_document(rng, num_tokens - 1)
+    yield from _encode_chunks(text, tokenizer, max_doc_tokens, "split", f"synthetic document {index}")
 
 
-def _folder_samples(path: str, tokenizer_spec: str, max_doc_tokens: int) -> Iterator[dict]:
+def _folder_samples(path: str, tokenizer_spec: str, max_doc_tokens: int, oversize: str) -> Iterator[dict]:
     tokenizer = load_tokenizer(tokenizer_spec)
-    for text in read_documents(path):
-        yield from _encode_chunks(text, tokenizer, max_doc_tokens)
+    for where, text in read_documents(path):
+        yield from _encode_chunks(text, tokenizer, max_doc_tokens, oversize, where)
 
 
 def _split(items: list, val_fraction: float, seed: int) -> tuple[list, list]:
@@ -129,20 +162,24 @@ def build_splits(
     max_doc_tokens: int,
     val_fraction: float,
     num_workers: int = 1,
+    oversize: str = "split",
 ) -> None:
     """Build ``out_dir/train`` and ``out_dir/val`` (none when ``val_fraction`` is 0) unless they exist and
-    match this configuration."""
+    match this configuration; a folder built from other files or settings is rebuilt, saying what changed."""
     manifest = {
         "source": source.describe(),
         "tokenizer": tokenizer_spec,
         "max_doc_tokens": max_doc_tokens,
         "val_fraction": val_fraction,
+        "oversize": oversize,
     }
     root = Path(out_dir)
-    if read_manifest(root) == manifest:
+    previous = read_manifest(root)
+    if previous == manifest:
         return
     if root.exists():
-        log.warning("rebuilding %s: it was built from another configuration", root)
+        reason = describe_changes(previous, manifest) if previous else "no manifest"
+        log.warning("rebuilding %s since it was built (%s)", root, reason)
         shutil.rmtree(root)
     if isinstance(source, SyntheticSource):
         rng = np.random.default_rng(source.seed)
@@ -151,7 +188,7 @@ def build_splits(
         fn: Callable = partial(_synthetic_sample, tokenizer_spec=tokenizer_spec, max_doc_tokens=max_doc_tokens)
     else:
         items = list(source.files)
-        fn = partial(_folder_samples, tokenizer_spec=tokenizer_spec, max_doc_tokens=max_doc_tokens)
+        fn = partial(_folder_samples, tokenizer_spec=tokenizer_spec, max_doc_tokens=max_doc_tokens, oversize=oversize)
     train_items, val_items = _split(items, val_fraction, getattr(source, "seed", 0))
     _optimize(fn, train_items, root / "train", num_workers)
     if val_fraction > 0:
@@ -186,9 +223,23 @@ def read_lengths_from_dataset(path: Path) -> np.ndarray:
     """
     import litdata
 
-    total = sum(chunk["chunk_size"] for chunk in json.loads((path / "index.json").read_text())["chunks"])
+    chunks = json.loads((path / "index.json").read_text())["chunks"]
     dataset = litdata.StreamingDataset(str(path))
-    return np.fromiter((dataset[i]["length"] for i in range(total)), dtype=np.int64, count=total)
+    lengths, index = [], 0
+    for chunk in chunks:
+        for _ in range(chunk["chunk_size"]):
+            try:
+                sample = dataset[index]
+                if sample["length"] != len(sample["tokens"]):
+                    raise ValueError(f"length {sample['length']} != {len(sample['tokens'])} tokens")
+            except Exception as err:  # litdata raises many kinds on damaged chunks
+                raise DataError(
+                    f"{path / chunk['filename']}: sample {index} cannot be read ({type(err).__name__}: {err}); "
+                    f"the chunk is corrupt or truncated: delete {path.parent} so prepare_data rebuilds it"
+                ) from err
+            lengths.append(sample["length"])
+            index += 1
+    return np.asarray(lengths, dtype=np.int64)
 
 
 def read_manifest(root: Path) -> dict | None:
@@ -199,7 +250,21 @@ def read_manifest(root: Path) -> dict | None:
 
 
 def load_lengths(split_dir: Path) -> np.ndarray:
+    """The split's document lengths, after checking that every chunk file is there whole."""
     path = split_dir / LENGTHS
     if not path.is_file():
-        raise DataError(f"{split_dir} has no {LENGTHS}; delete the folder so prepare_data rebuilds it")
+        raise DataError(f"{split_dir} has no {LENGTHS}; delete {split_dir.parent} so prepare_data rebuilds it")
+    verify_chunks(split_dir)
     return np.load(path)
+
+
+def verify_chunks(split_dir: Path) -> None:
+    """Every chunk named in litdata's ``index.json`` exists with the size the index records."""
+    for chunk in json.loads((split_dir / "index.json").read_text())["chunks"]:
+        file = split_dir / chunk["filename"]
+        size = file.stat().st_size if file.is_file() else None
+        if size != chunk["chunk_bytes"]:
+            found = "missing" if size is None else f"{size} bytes, expected {chunk['chunk_bytes']}"
+            raise DataError(
+                f"{file}: chunk {found} (truncated or corrupt); delete {split_dir.parent} so prepare_data rebuilds it"
+            )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Literal
 
 import lightning as L
 import numpy as np
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
@@ -23,7 +25,7 @@ from sparsebalance_pl.datamodules.sampler import (
 )
 from sparsebalance_pl.datamodules.synthetic import LengthPrior
 from sparsebalance_pl.datamodules.tokenizer import load_tokenizer
-from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl.errors import ConfigError, DataError
 
 
 class PlanItems(Dataset):
@@ -63,7 +65,9 @@ class LongContextDataModule(L.LightningDataModule):
         tokenizer: ``byte``, ``qwen-tiktoken`` or a local Hugging Face tokenizer directory.
         num_documents: size of the synthetic corpus (train and validation together).
         length_distribution: ``wlbllm``, ``prolong`` or a JSON file of lengths (synthetic corpus).
-        max_doc_tokens: longest document; longer ones are split into pieces of this length.
+        max_doc_tokens: longest document; longer ones are split into pieces of this length or rejected
+            (``oversize``).
+        oversize: ``split`` or ``reject`` documents longer than ``max_doc_tokens`` (each reported).
         max_tokens: most tokens in one micro-batch on one rank (memory; at least ``max_doc_tokens``).
         tokens_per_rank: with ``sab``, the token budget of a global batch per rank (default ``max_tokens``).
             Smaller budgets leave headroom up to ``max_tokens`` but cut smaller global batches, where the
@@ -96,6 +100,7 @@ class LongContextDataModule(L.LightningDataModule):
         num_documents: int = 4000,
         length_distribution: str = "wlbllm",
         max_doc_tokens: int = 4096,
+        oversize: Literal["split", "reject"] = "split",
         max_tokens: int = 4096,
         val_fraction: float = 0.02,
         seed: int = 0,
@@ -116,6 +121,8 @@ class LongContextDataModule(L.LightningDataModule):
             raise ConfigError(
                 f"data.defer_window={defer_window} must be >= 0 and data.micro_batches={micro_batches} >= 1"
             )
+        if oversize not in ("split", "reject"):
+            raise ConfigError(f"data.oversize={oversize!r} is unknown; allowed: 'split', 'reject'")
         if source not in ("synthetic", "folder"):
             raise ConfigError(f"data.source={source!r} is unknown; allowed: 'synthetic', 'folder'")
         if max_doc_tokens < 2:
@@ -138,6 +145,7 @@ class LongContextDataModule(L.LightningDataModule):
         self.tokenizer_spec = tokenizer
         self.data_dir = Path(data_dir)
         self.max_doc_tokens = max_doc_tokens
+        self.oversize = oversize
         self.max_tokens = max_tokens
         self.val_fraction = val_fraction
         self.seed = seed
@@ -177,6 +185,7 @@ class LongContextDataModule(L.LightningDataModule):
             max_doc_tokens=self.max_doc_tokens,
             val_fraction=self.val_fraction,
             num_workers=self.build_workers,
+            oversize=self.oversize,
         )
 
     def lengths(self, split: str) -> np.ndarray:
@@ -211,12 +220,31 @@ class LongContextDataModule(L.LightningDataModule):
         self.planned_efficiency[epoch] = plan_efficiency(plan)
         return plan
 
+    def _check_ranks_agree(self, lengths: np.ndarray) -> None:
+        """Stop when ranks would plan from different data or settings: their plans would diverge and the
+        collectives hang. One all-gather of a digest, at start."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        digest = hashlib.sha256(np.ascontiguousarray(lengths, dtype=np.int64).tobytes())
+        digest.update(repr((self.seed, self.batching, self.max_tokens, self.tokens_per_rank, self.defer_window,
+                            self.micro_batches)).encode())
+        digests: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, digest.hexdigest())
+        if len(set(digests)) > 1:
+            groups = {d: [r for r, x in enumerate(digests) if x == d] for d in set(digests)}
+            ranks = "; ".join(f"ranks {v}: {k[:12]}" for k, v in groups.items())
+            raise DataError(
+                f"ranks disagree on the training data or plan settings ({ranks}): every rank must see the same "
+                f"{self.data_dir} and data settings"
+            )
+
     def _loader(self, split: str, train: bool) -> DataLoader:
         import litdata  # heavy to import; only the dataloader hooks need it
 
         lengths = self.lengths(split)
         num_ranks, rank = self._ranks()
         if train:
+            self._check_ranks_agree(lengths)
             resume = self._resume or {"epoch": 0, "batches_consumed": 0}
             self._resume = None
             sampler = PlannedBatchSampler(

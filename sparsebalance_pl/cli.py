@@ -1,15 +1,25 @@
-"""Command line: ``python main.py {fit,validate,test} --config configs/<name>.yaml`` through LightningCLI.
+"""Command line: ``python main.py {fit,validate,test,profile} --config configs/<name>.yaml``.
 
-Every setting is checked when the configuration is parsed and the classes are built, in the launching
-process and before any process group starts; a bad one ends the run with a single line naming the setting
-and what is allowed (exit code 2), not a traceback.
+``fit``, ``validate`` and ``test`` go through LightningCLI. Every setting is checked when the configuration is
+parsed and the classes are built, in the launching process and before any process group starts; a bad one
+ends the run with a single line naming the setting and what is allowed (exit code 2), not a traceback.
+
+``profile`` measures the latency table of this device for the configuration's model and kernels and writes
+it where the configuration's ``model.latency_table`` points (or ``--output``).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
 
+import torch
+import yaml
 from lightning.pytorch.cli import LightningCLI
+
+from sparsebalance_pl.attention import AttentionConfig
+from sparsebalance_pl.model import ModelConfig
 
 from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
 from sparsebalance_pl.errors import ConfigError, DataError
@@ -47,8 +57,43 @@ class SparseBalanceCLI(LightningCLI):
         self._check_model_and_data()
 
 
-def main(args: list[str] | None = None) -> SparseBalanceCLI | None:
+def profile(argv: list[str]) -> Path:
+    """``main.py profile``: the latency table of this device for a configuration's model and kernels."""
+    parser = argparse.ArgumentParser(prog="main.py profile", description=profile.__doc__)
+    parser.add_argument("--config", required=True, help="a fit configuration (its model and data sections)")
+    parser.add_argument("--output", help="table path (default: the configuration's model.latency_table)")
+    parser.add_argument("--full", action="store_true", help="the full grid instead of the quick one (about 1 min)")
+    parser.add_argument("--device", help="default: cuda when available, else cpu")
+    parsed = parser.parse_args(argv)
+    from sparsebalance_pl.profiler import profile_hardware
+
+    config = yaml.safe_load(Path(parsed.config).read_text())
+    module_cfg = config.get("model", {})
+    output = parsed.output or module_cfg.get("latency_table")
+    if output is None:
+        raise ConfigError("main.py profile needs --output or model.latency_table in the configuration")
+    attention = AttentionConfig(**module_cfg.get("attention", {}))
+    device = parsed.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    bf16 = str(config.get("trainer", {}).get("precision", "32")).startswith("bf16") and device != "cpu"
+    profile_hardware(
+        ModelConfig(**module_cfg.get("model", {})).dims(),
+        device=device,
+        dtype=torch.bfloat16 if bf16 else torch.float32,
+        block_size=attention.block_size,
+        stride=attention.stride,
+        quick=not parsed.full,
+        max_length=int(config.get("data", {}).get("max_tokens", 8192)),
+        output=output,
+    )
+    print(f"latency table written to {output}")
+    return Path(output)
+
+
+def main(args: list[str] | None = None) -> SparseBalanceCLI | Path | None:
+    argv = sys.argv[1:] if args is None else args
     try:
+        if argv[:1] == ["profile"]:
+            return profile(argv[1:])
         return SparseBalanceCLI(
             SparseQwen,
             LongContextDataModule,

@@ -193,3 +193,56 @@ def test_eval_tasks_hold_their_answers_at_the_end():
     first_end = len(samples[0]["tokens"])
     assert batch["answer_spans"][0].tolist() == [samples[0]["answer_start"], first_end]
     assert batch["cells"].tolist() == [0, 2] and batch["answer_spans"].shape == (2, 2)
+
+
+def _agree_or_not(rank, data_dir, disagree):
+    dm = LongContextDataModule(data_dir=data_dir, num_documents=20, max_doc_tokens=256, max_tokens=512,
+                               val_fraction=0.0, seed=0)
+    dm._check_ranks_agree(np.arange(10) + (rank if disagree else 0))
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_on_the_data_are_stopped(tmp_path):
+    from rank_runner import run_ranks
+
+    assert run_ranks(_agree_or_not, str(tmp_path), False) == {}
+    failed = run_ranks(_agree_or_not, str(tmp_path), True)
+    assert set(failed) == {0, 1}
+    assert all("ranks disagree" in message and "ranks [0]" in message for message in failed.values())
+
+
+def test_changed_folder_is_reported_and_rebuilt(tmp_path, caplog):
+    text_dir = tmp_path / "text"
+    text_dir.mkdir()
+    (text_dir / "a.txt").write_text("first document " * 20)
+    (text_dir / "b.txt").write_text("second document " * 20)
+    out = str(tmp_path / "data")
+    build = lambda: build_splits(out, FolderSource.scan(str(text_dir)), tokenizer_spec="byte",  # noqa: E731
+                                 max_doc_tokens=256, val_fraction=0.0)
+    build()
+    (text_dir / "b.txt").write_text("changed " * 30)
+    (text_dir / "c.txt").write_text("new " * 30)
+    build()
+    assert "modified:" in caplog.text and "b.txt" in caplog.text and "added:" in caplog.text
+    assert len(load_lengths(tmp_path / "data" / "train")) == 4  # a.txt (2 pieces), b.txt, c.txt: nothing lost
+
+
+def test_empty_and_oversize_documents_are_reported(tmp_path, capfd):
+    text_dir = tmp_path / "text"
+    text_dir.mkdir()
+    (text_dir / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in ["ok", "", "y" * 600]) + "\n")
+    build_splits(str(tmp_path / "data"), FolderSource.scan(str(text_dir)), tokenizer_spec="byte",
+                 max_doc_tokens=256, val_fraction=0.0, oversize="reject")
+    err = capfd.readouterr().err
+    assert "docs.jsonl:2: empty document skipped" in err
+    assert "docs.jsonl:3: document of 601 tokens rejected" in err
+    assert load_lengths(tmp_path / "data" / "train").tolist() == [3]
+
+
+def test_truncated_chunk_is_named(tmp_path):
+    build_splits(str(tmp_path), SyntheticSource(num_documents=10, seed=1), tokenizer_spec="byte",
+                 max_doc_tokens=256, val_fraction=0.0)
+    chunk = next((tmp_path / "train").glob("chunk-*.bin"))
+    chunk.write_bytes(chunk.read_bytes()[:100])
+    with pytest.raises(DataError, match=f"{chunk.name}.*truncated or corrupt"):
+        load_lengths(tmp_path / "train")

@@ -4,12 +4,9 @@ Two gloo ranks on the CPU run the real FSDP2 sharding of the module; their gradi
 process holding the whole global batch, for two different splits.
 """
 
-import multiprocessing as mp
-import os
-import socket
-
 import pytest
 import torch
+from rank_runner import run_ranks
 
 DOCS = [31, 90, 12, 64, 47, 5]
 SPLITS = {"balanced": ([0, 1, 2], [3, 4, 5]), "skewed": ([0, 2, 5], [1, 3, 4])}
@@ -45,50 +42,25 @@ def _full_grads(module):
             for n, p in module.net.named_parameters()}
 
 
-def _rank_main(rank, port, split, out_path):
-    import torch.distributed as dist
+def _rank_main(rank, split, out_path):
     from torch.distributed.device_mesh import init_device_mesh
 
     from sparsebalance_pl.loss import globally_normalised_loss
     from sparsebalance_pl.strategy import apply_fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        module = _module()
-        mesh = init_device_mesh("cpu", (2,))
-        apply_fully_shard(module.net, list(module.net.hf.model.layers), mesh)
-        loss_sum, count = module(_batch(SPLITS[split][rank]))
-        loss, _ = globally_normalised_loss(loss_sum, count)
-        loss.backward()
-        grads = _full_grads(module)
-        if rank == 0:
-            torch.save(grads, out_path)
-        dist.barrier()  # neither rank tears gloo down while the other still talks to it
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    module = _module()
+    apply_fully_shard(module.net, list(module.net.hf.model.layers), init_device_mesh("cpu", (2,)))
+    loss_sum, count = module(_batch(SPLITS[split][rank]))
+    loss, _ = globally_normalised_loss(loss_sum, count)
+    loss.backward()
+    grads = _full_grads(module)
+    if rank == 0:
+        torch.save(grads, out_path)
 
 
 def _two_rank_grads(split, tmp_path):
     out = tmp_path / f"{split}.pt"
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, split, str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            pytest.fail("a rank did not finish within 120 s")
-        assert p.exitcode == 0
+    assert run_ranks(_rank_main, split, str(out)) == {}
     return torch.load(out)
 
 
