@@ -172,6 +172,7 @@ class LongContextDataModule(L.LightningDataModule):
         self.train_sampler: PlannedBatchSampler | None = None
         self.planned_efficiency: dict[int, float] = {}
         self._resume: dict | None = None
+        self.plan_costs: tuple[int, np.ndarray] | None = None  # (epoch, per-document costs it was planned with)
 
     @property
     def vocab_size(self) -> int:
@@ -200,12 +201,17 @@ class LongContextDataModule(L.LightningDataModule):
         costs_of = getattr(module, "document_costs", None)
         return np.asarray(costs_of(lengths) if costs_of is not None else lengths, dtype=np.float64)
 
-    def _train_plan(self, lengths: np.ndarray, epoch: int) -> EpochPlan:
+    def _train_plan(self, lengths: np.ndarray, epoch: int, costs: np.ndarray | None = None) -> EpochPlan:
+        """The epoch's plan from each document's predicted cost, computed now unless given (a resumed run
+        replans with the costs its first run planned with: the latency model and density estimates have
+        learned since)."""
         num_ranks, _ = self._ranks()
+        costs = self._document_costs(lengths) if costs is None else np.asarray(costs, dtype=np.float64)
+        self.plan_costs = (epoch, costs)
         if self.batching == "first_fit":
             plan = first_fit_plan(
-                lengths, self._document_costs(lengths), max_tokens=self.max_tokens, num_ranks=num_ranks,
-                seed=self.seed, epoch=epoch, shuffle=True,
+                lengths, costs, max_tokens=self.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=epoch,
+                shuffle=True,
             )
         else:
             config = PlannerConfig(
@@ -216,7 +222,10 @@ class LongContextDataModule(L.LightningDataModule):
                 defer_window=self.defer_window,
                 seed=self.seed,
             )
-            plan = sparsity_aware_plan(lengths, self._document_costs, config, epoch)
+            cost_of_length = dict(zip(lengths.tolist(), costs.tolist()))  # costs depend on length alone
+            plan = sparsity_aware_plan(
+                lengths, lambda ls: np.array([cost_of_length[int(n)] for n in ls]), config, epoch
+            )
         self.planned_efficiency[epoch] = plan_efficiency(plan)
         return plan
 
@@ -247,8 +256,9 @@ class LongContextDataModule(L.LightningDataModule):
             self._check_ranks_agree(lengths)
             resume = self._resume or {"epoch": 0, "batches_consumed": 0}
             self._resume = None
+            saved_costs = {resume["epoch"]: resume["plan_costs"]} if "plan_costs" in resume else {}
             sampler = PlannedBatchSampler(
-                lambda epoch: self._train_plan(lengths, epoch),
+                lambda epoch: self._train_plan(lengths, epoch, saved_costs.pop(epoch, None)),
                 rank=rank,
                 epoch=resume["epoch"],
                 skip=resume["batches_consumed"],
@@ -291,16 +301,20 @@ class LongContextDataModule(L.LightningDataModule):
     def state_dict(self) -> dict:
         """Where the training stream stands: the epoch and the micro-batches this rank has consumed in it.
 
-        Counted from the fit loop's completed batches, not from the sampler, which runs ahead of training
-        when batches are prefetched.
+        Counted from the fit loop's processed batches, not from the sampler, which runs ahead of training
+        when batches are prefetched. (Processed, not completed: a checkpoint saved in ``on_train_batch_end``
+        is taken after the batch was trained on but before the loop counts it as completed.)
         """
         trainer = self.trainer
         if trainer is None:
             return {}
-        return {
+        state = {
             "epoch": trainer.current_epoch,
-            "batches_consumed": trainer.fit_loop.epoch_loop.batch_progress.current.completed,
+            "batches_consumed": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
         }
+        if self.plan_costs is not None and self.plan_costs[0] == trainer.current_epoch:
+            state["plan_costs"] = self.plan_costs[1].tolist()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self._resume = dict(state) if state else None

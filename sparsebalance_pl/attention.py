@@ -8,12 +8,16 @@ LightningModule passes as a model keyword argument (``sb_context``). Two backend
 - ``sparse``: XAttention-style block selection then block-sparse attention (``sparsebalance_pl.kernels``).
 
 The context also carries the per-layer budgets (moved by dynamic sparsity tuning), caches the chosen masks
-so an activation-checkpointing recomputation reuses exactly the same mask, and collects per-layer density and
-estimated recall for logging.
+so an activation-checkpointing recomputation reuses exactly the same mask, collects per-layer density and
+estimated recall for logging, the density each document would have had at the base budgets (from the same
+ranking, for predicting the next batches' cost), and times the attention calls, forward and backward: they
+are free of collectives, unlike whole steps under FSDP or DDP (DESIGN.md 3).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,6 +44,8 @@ class AttentionConfig:
         stride: antidiagonal scoring stride of the selection (power of two dividing block_size).
         max_density: optional cap on the kept fraction of causal blocks per query row, in (0, 1].
         kernel_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
+        recall_rows: measure each layer's exact recall on this many sampled query rows per training
+            micro-batch (0: off; the estimated recall of the selection is always reported).
     """
 
     backend: AttentionBackend = "sparse"
@@ -48,6 +54,7 @@ class AttentionConfig:
     stride: int = 16
     max_density: float | None = None
     kernel_backend: KernelBackend = "auto"
+    recall_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in ("dense", "sparse"):
@@ -69,6 +76,8 @@ class AttentionConfig:
             raise ConfigError(f"attention.tau={self.tau} must lie in (0, 1]")
         if self.max_density is not None and not 0.0 < self.max_density <= 1.0:
             raise ConfigError(f"attention.max_density={self.max_density} must lie in (0, 1] or be null")
+        if self.recall_rows < 0:
+            raise ConfigError(f"attention.recall_rows={self.recall_rows} must be >= 0")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -85,19 +94,103 @@ class LayerBudget:
 
 @dataclass
 class LayerStats:
-    """What one layer's selection kept, as tensors (no host sync inside the forward)."""
+    """What one layer's selection kept, as tensors (no host sync inside the forward).
+
+    ``base_document_density`` [docs]: each document's kept fraction of causal tiles had the layer used its
+    base budget, counted from the same ranking (query blocks count for the document of their first token).
+    """
 
     density: torch.Tensor
     estimated_recall: torch.Tensor
+    base_document_density: torch.Tensor
+    recall: torch.Tensor | None = None
+
+
+class AttentionTimer:
+    """Seconds spent in the attention calls of one micro-batch, forward and backward, free of collectives.
+
+    Each call is bracketed in the forward directly and in the backward by identity autograd nodes on its
+    output (backward starts) and on its inputs (backward done); autograd runs a layer's attention nodes
+    before any node created earlier in the forward. On CUDA the brackets are events on the stream, read by
+    ``seconds()`` after the step, so timing never synchronises the device inside the layers; on the CPU
+    ``perf_counter``.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._open: dict[tuple[str, int], object] = {}
+        self._cpu_seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def _now(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self, key: tuple[str, int]) -> None:
+        self._open[key] = self._now()
+
+    def stop(self, key: tuple[str, int]) -> None:
+        begun = self._open.pop(key, None)
+        if begun is None:
+            return
+        if self.cuda:
+            self._events.append((begun, self._now()))
+        else:
+            self._cpu_seconds += time.perf_counter() - begun
+
+    def seconds(self) -> float:
+        """Total so far; on CUDA waits for the last recorded event (call it after the step)."""
+        if not self._events:
+            return self._cpu_seconds
+        self._events[-1][1].synchronize()
+        return self._cpu_seconds + sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
+
+    def timed(self, layer: int, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        """``fn(*inputs)`` with its forward and (when inputs need gradients) its backward timed."""
+        track_backward = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+        if track_backward:
+            inputs = _BackwardMark.apply(lambda: self.stop(("backward", layer)), *inputs)
+        self.start(("forward", layer))
+        out = fn(*inputs)
+        self.stop(("forward", layer))
+        if track_backward:
+            (out,) = _BackwardMark.apply(lambda: self.start(("backward", layer)), out)
+        return out
+
+
+class _BackwardMark(torch.autograd.Function):
+    """Identity whose backward calls ``hook`` once all gradients of its outputs have arrived."""
+
+    @staticmethod
+    def forward(ctx, hook: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.hook = hook
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple:
+        ctx.hook()
+        return (None, *grads)
 
 
 @dataclass
 class AttentionContext:
-    """Per-forward state of the attention function, created by the module for each micro-batch."""
+    """Per-forward state of the attention function, created by the module for each micro-batch.
+
+    ``budgets`` are those in use (moved by dynamic sparsity tuning); ``base_budgets`` those against which
+    ``LayerStats.base_document_density`` is counted (the configured ones; default: ``budgets``). With
+    ``recall_rows`` > 0 each layer's exact recall is measured on that many sampled query rows, outside the
+    timed region (costs rows x T per head).
+    """
 
     cu_seqlens: torch.Tensor
     config: AttentionConfig
     budgets: list[LayerBudget]
+    base_budgets: list[LayerBudget] | None = None
+    timer: AttentionTimer | None = None
+    recall_rows: int = 0
     masks: dict[int, torch.Tensor] = field(default_factory=dict)
     stats: dict[int, LayerStats] = field(default_factory=dict)
 
@@ -106,6 +199,9 @@ class AttentionContext:
 
     def mean_estimated_recall(self) -> float | None:
         return _mean_of(s.estimated_recall for s in self.stats.values())
+
+    def mean_recall(self) -> float | None:
+        return _mean_of(s.recall for s in self.stats.values() if s.recall is not None)
 
 
 def _mean_of(values) -> float | None:
@@ -150,10 +246,35 @@ def _sparse_attention(
                 return_stats=True,
             )
         ctx.masks[layer] = mask
-        ctx.stats[layer] = LayerStats(density=stats.mean_density(), estimated_recall=stats.mean_kept_mass())
+        base = (ctx.base_budgets or ctx.budgets)[layer]
+        ctx.stats[layer] = LayerStats(
+            density=stats.mean_density(),
+            estimated_recall=stats.mean_kept_mass(),
+            base_document_density=document_density(stats, ctx.cu_seqlens, q.shape[0], cfg.block_size, base),
+        )
     return block_sparse_attention(
         q, k, v, mask, ctx.cu_seqlens, block_size=cfg.block_size, scale=scale, backend=cfg.kernel_backend
     )
+
+
+def document_density(
+    stats, cu_seqlens: torch.Tensor, num_tokens: int, block_size: int, budget: LayerBudget
+) -> torch.Tensor:
+    """[docs] kept / causal tiles of each document at ``budget``, from a selection's ranking (``SelectionStats``).
+
+    A query block shared by two documents counts for the one it starts in; exact for block-aligned documents.
+    A document starting no block (shorter than one, inside another's) is dense: it sees only forced blocks.
+    """
+    from sparsebalance_pl.kernels.layout import token_doc_ids
+
+    kept = stats.kept_at([budget.tau], budget.max_density)[..., 0].sum(0).float()  # [nB]
+    doc_ids = token_doc_ids(cu_seqlens.to(kept.device), num_tokens)
+    block_doc = doc_ids[::block_size]
+    num_docs = len(cu_seqlens) - 1
+    kept_per_doc = kept.new_zeros(num_docs).index_add_(0, block_doc, kept)
+    candidates = kept.new_zeros(num_docs).index_add_(0, block_doc, stats.candidates.float())
+    density = kept_per_doc / (candidates * stats.kept.shape[0]).clamp(min=1)
+    return torch.where(candidates > 0, density.clamp(max=1.0), torch.ones_like(density))
 
 
 def sparsebalance_attention(
@@ -178,10 +299,23 @@ def sparsebalance_attention(
     if attention_mask is not None:
         raise ValueError("packed attention applies document and causal masking itself; pass no attention_mask")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    layer = module.layer_idx
     if sb_context.config.backend == "dense":
-        out = varlen_causal_attention(q, k, v, sb_context.cu_seqlens, scaling)
+        def attend(q, k, v):
+            return varlen_causal_attention(q, k, v, sb_context.cu_seqlens, scaling)
     else:
-        out = _sparse_attention(q, k, v, module.layer_idx, sb_context, scaling)
+        def attend(q, k, v):
+            return _sparse_attention(q, k, v, layer, sb_context, scaling)
+    timer = sb_context.timer
+    out = attend(q, k, v) if timer is None else timer.timed(layer, attend, q, k, v)
+    stats = sb_context.stats.get(layer)
+    if sb_context.recall_rows > 0 and stats is not None and stats.recall is None:
+        from sparsebalance_pl.kernels import attention_recall
+
+        stats.recall = attention_recall(
+            q.detach(), k.detach(), sb_context.masks[layer], sb_context.cu_seqlens,
+            block_size=sb_context.config.block_size, scale=scaling, num_rows=sb_context.recall_rows,
+        )
     return out.unsqueeze(0), None
 
 

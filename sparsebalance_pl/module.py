@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import lightning as L
+import numpy as np
 import torch
 from torch import nn
 
-from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, AttentionContext, LayerBudget
+from sparsebalance_pl.attention import (
+    ATTN_IMPLEMENTATION,
+    AttentionConfig,
+    AttentionContext,
+    AttentionTimer,
+    LayerBudget,
+)
+from sparsebalance_pl.callbacks.protocol import SparsityReport
+from sparsebalance_pl.datamodules.density import DensityEstimator
 from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.loss import chunked_cross_entropy_sum, globally_normalised_loss
 from sparsebalance_pl.metrics import TokenMeanLoss
 from sparsebalance_pl.model import ModelConfig
@@ -78,7 +88,8 @@ class SparseQwen(L.LightningModule):
     Batches are packed streams of documents (see ``sparsebalance_pl.datamodules.packing``): ``input_ids``,
     ``position_ids`` (reset at each document), ``targets`` (next token within the document, -100 at document
     ends) and ``cu_seqlens``. Budgets for the sparse attention are per layer (``layer_budgets``) so that the
-    dynamic sparsity tuning callback can move them between steps.
+    dynamic sparsity tuning callback can move them between steps: the module implements
+    ``sparsebalance_pl.callbacks.protocol.SparsityTunable``.
 
     Args:
         model: which Qwen2 (preset, overrides, or a local Hugging Face directory).
@@ -86,6 +97,10 @@ class SparseQwen(L.LightningModule):
         optim: optimiser and learning-rate schedule.
         loss_chunk_tokens: tokens per chunk of the fused LM head + cross-entropy.
         activation_checkpointing: recompute each decoder layer in the backward (long contexts on GPU).
+        latency_table: JSON latency table (``sparsebalance_pl.profiler``) for this device and model; a
+            missing, unreadable or mismatched one is reported and replaced (see ``latency_profile``).
+        latency_profile: when the table is missing or from other hardware, run the quick profile (about a
+            minute) and save it to ``latency_table``; otherwise start from the analytic FLOP prior.
     """
 
     def __init__(
@@ -95,6 +110,8 @@ class SparseQwen(L.LightningModule):
         optim: OptimConfig = OptimConfig(),
         loss_chunk_tokens: int = 4096,
         activation_checkpointing: bool = False,
+        latency_table: str | None = None,
+        latency_profile: bool = False,
     ) -> None:
         super().__init__()
         self.model_config = model
@@ -105,10 +122,15 @@ class SparseQwen(L.LightningModule):
         self.loss_chunk_tokens = loss_chunk_tokens
         self.activation_checkpointing = activation_checkpointing
         self.dims = self.model_config.dims()
-        self.layer_budgets = [
+        self.base_budgets = [
             LayerBudget(self.attention_config.tau, self.attention_config.max_density)
             for _ in range(self.dims.num_layers)
         ]
+        self.layer_budgets = [replace(b) for b in self.base_budgets]
+        self.latency_table = latency_table
+        self.latency_profile = latency_profile
+        self.latency_model: LatencyModel | None = None
+        self.density_estimator = DensityEstimator(block_size=self.attention_config.block_size)
         self.net: PackedCausalLM | None = None
         self.val_loss = TokenMeanLoss()
         self.test_loss = TokenMeanLoss()
@@ -127,8 +149,69 @@ class SparseQwen(L.LightningModule):
         if mesh is not None:
             apply_fully_shard(self.net, list(hf_model.model.layers), mesh["data_parallel"])
 
+    def setup(self, stage: str) -> None:
+        if stage == "fit" and self.latency_model is None:
+            self.latency_model = self._load_latency_model()
+
+    def _load_latency_model(self) -> LatencyModel:
+        """The table for this device and model, else the quick profile or the analytic prior; never raises.
+
+        With profiling on, rank 0 profiles and saves the table while the others wait, then every rank loads
+        the same file, so all ranks start from identical predictions.
+        """
+        from sparsebalance_pl.profiler import device_name, latency_model_for_run
+
+        cfg = self.attention_config
+        device = self.trainer.strategy.root_device
+        if self.latency_table is None:
+            return self._analytic_latency_model(device_name(device))
+        settings = dict(device=device, block_size=cfg.block_size, stride=cfg.stride, progress=False)
+        if self.latency_profile and self.trainer.world_size > 1:
+            if self.trainer.is_global_zero:
+                latency_model_for_run(self.latency_table, self.dims, profile=True, **settings)
+            self.trainer.strategy.barrier("latency_profile")
+        profile = self.latency_profile and self.trainer.world_size == 1
+        return latency_model_for_run(self.latency_table, self.dims, profile=profile, **settings)
+
+    def _analytic_latency_model(self, device: str = "unknown") -> LatencyModel:
+        cfg = self.attention_config
+        return LatencyModel.analytic(self.dims, block_size=cfg.block_size, stride=cfg.stride, device=device)
+
     def attention_context(self, cu_seqlens: torch.Tensor) -> AttentionContext:
-        return AttentionContext(cu_seqlens=cu_seqlens, config=self.attention_config, budgets=self.layer_budgets)
+        return AttentionContext(
+            cu_seqlens=cu_seqlens,
+            config=self.attention_config,
+            budgets=self.layer_budgets,
+            base_budgets=self.base_budgets,
+            timer=AttentionTimer(cu_seqlens.device),
+            recall_rows=self.attention_config.recall_rows if self.training else 0,
+        )
+
+    def document_costs(self, lengths) -> np.ndarray:
+        """Predicted seconds each document adds to a micro-batch, at its estimated density: what the
+        sparsity-aware batch planner balances (``LongContextDataModule``)."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        sparse = self.attention_config.backend == "sparse"
+        density = self.density_estimator(np.maximum(lengths, 1)) if sparse else 1.0
+        return (self.latency_model or self._analytic_latency_model()).doc_costs(lengths, density)
+
+    def document_lengths(self, batch: dict) -> list[int]:
+        """Token count of each document of a packed micro-batch (``SparsityTunable``)."""
+        return torch.diff(batch["cu_seqlens"]).tolist()
+
+    def sparsity_report(self) -> SparsityReport | None:
+        """Densities, recall and attention time of the last micro-batch (``SparsityTunable``); None if dense."""
+        ctx = self.last_context
+        if ctx is None or not ctx.stats:
+            return None
+        layers = [ctx.stats[i] for i in sorted(ctx.stats)]
+        return SparsityReport(
+            density=[float(s.density) for s in layers],
+            estimated_recall=[float(s.estimated_recall) for s in layers],
+            base_document_density=torch.stack([s.base_document_density for s in layers]).mean(0).tolist(),
+            attention_seconds=ctx.timer.seconds(),
+            recall=ctx.mean_recall(),
+        )
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed loss and number of loss-bearing tokens of one packed micro-batch on this rank."""
@@ -164,6 +247,9 @@ class SparseQwen(L.LightningModule):
         if ctx is not None and ctx.stats:
             self.log(f"{stage}/density", ctx.mean_density(), prog_bar=True, batch_size=1)
             self.log(f"{stage}/estimated_recall", ctx.mean_estimated_recall(), batch_size=1)
+            recall = ctx.mean_recall()
+            if recall is not None:
+                self.log(f"{stage}/recall", recall, batch_size=1)
 
     def configure_optimizers(self):
         cfg = self.optim_config

@@ -26,6 +26,11 @@ def _rank_entry(fn, rank, world_size, port, args, errors):
         errors.put((rank, f"{type(err).__name__}: {err}", traceback.format_exc()))
     finally:
         dist.destroy_process_group()
+    # Skip interpreter teardown: under load, torch's and gloo's background threads sometimes abort it
+    # ("terminate called without an active exception") after all the work above has finished.
+    errors.close()
+    errors.join_thread()
+    os._exit(0)
 
 
 def run_ranks(fn, *args, world_size: int = 2, timeout: float = 120.0) -> dict[int, str]:

@@ -1,0 +1,164 @@
+"""The budget rule of dynamic sparsity tuning, as pure functions of predicted times (DESIGN.md 4.4).
+
+Every rank predicts its micro-batch's time at the base budget and at the ends of its allowed range, the
+ranks share these few numbers, and all agree on an anchor time A. Each rank then moves toward A: its
+density target is the density at which its predicted time equals A, bounded to [rho0 - p, rho0 + p] around
+its effective base density rho0. The move becomes the pair (tau, max_density): tau moves by the same
+amount as the density target (within [tau0 - p, tau0 + p]), which sets the accuracy where attention is
+sharp; a straggler's cap is its density target, which bounds its time where attention is near-uniform and
+tau barely moves cost. A fast rank gets no tighter cap than its base one (rho0 is an estimate, and a cap
+below the true base density would make it sparser, not denser): tau alone makes it denser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import numpy as np
+
+from sparsebalance_pl.attention import LayerBudget
+from sparsebalance_pl.callbacks.protocol import TIMED_TERMS
+from sparsebalance_pl.latency import TERMS, LatencyModel
+
+Anchor = Literal["mean", "median", "min", "max", "adaptive"]
+ANCHORS: tuple[str, ...] = ("mean", "median", "min", "max", "adaptive")
+#: Fixed anchors in the order the adaptive anchor tries them (cheapest step time first).
+FIXED_ANCHORS: tuple[str, ...] = ("min", "median", "mean", "max")
+MIN_TAU = 0.01
+_TIMED = np.array([name in TIMED_TERMS for name in TERMS], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """One rank's predicted seconds for its micro-batch: at the base budget and at the ends of its range.
+
+    ``density`` is the effective base density rho0 (the uniform density predicting ``base``); ``low`` and
+    ``high`` are the predicted times at rho0 - p and rho0 + p (clipped to the model's density range).
+    """
+
+    base: float
+    low: float
+    high: float
+    density: float
+    tokens: float
+
+    def to_list(self) -> list[float]:
+        return [self.base, self.low, self.high, self.density, self.tokens]
+
+    def at(self, anchor: float) -> float:
+        """Predicted seconds once the budget moved toward ``anchor``."""
+        return min(max(anchor, self.low), self.high)
+
+    def density_at(self, anchor: float, p: float) -> float:
+        """Approximate density at ``anchor``: time is close to linear in density between the range ends."""
+        lo, hi = max(self.density - p, 0.0), min(self.density + p, 1.0)
+        return float(np.interp(self.at(anchor), [self.low, self.base, self.high], [lo, self.density, hi]))
+
+
+def with_speed(model: LatencyModel, speed: float) -> LatencyModel:
+    """``model`` for a rank whose timed terms (attention, selection) run ``speed`` times slower than predicted."""
+    calibration = model.calibration
+    log_scales = calibration.log_scales + np.log(speed) * _TIMED
+    return LatencyModel(model.table, replace(calibration, log_scales=log_scales))
+
+
+def outlook(model: LatencyModel, lengths: Sequence[int], base_density: Sequence[float], p: float) -> Outlook:
+    """This rank's ``Outlook`` for documents of ``lengths`` with estimated base densities ``base_density``."""
+    base = model.predict(lengths, base_density)
+    rho0 = model.density_for(lengths, base, clip=True)
+    low = model.predict(lengths, max(rho0 - p, model.min_density))
+    high = model.predict(lengths, min(rho0 + p, 1.0))
+    return Outlook(base, min(low, base), max(high, base), rho0, float(sum(lengths)))
+
+
+def anchor_time(times: Sequence[float], anchor: str) -> float:
+    """The anchor of the fixed kinds (``FIXED_ANCHORS``) over the ranks' predicted base times."""
+    reduce = {"mean": np.mean, "median": np.median, "min": np.min, "max": np.max}
+    if anchor not in reduce:
+        raise ValueError(f"anchor={anchor!r} is not one of {FIXED_ANCHORS}")
+    return float(reduce[anchor](np.asarray(times, dtype=np.float64)))
+
+
+def imbalance(times: Sequence[float]) -> float:
+    """Max over mean (1.0 is perfect balance, DESIGN.md 6)."""
+    t = np.asarray(times, dtype=np.float64)
+    return float(t.max() / t.mean()) if t.size and t.mean() > 0 else 1.0
+
+
+def recall_drop(outlooks: Sequence[Outlook], anchor: float, p: float, recall_slope: float) -> float:
+    """Predicted token-weighted loss of recall against the base budget once every rank moved toward ``anchor``."""
+    tokens = np.array([o.tokens for o in outlooks])
+    change = np.array([o.density_at(anchor, p) - o.density for o in outlooks])
+    return float(-recall_slope * (tokens * change).sum() / max(tokens.sum(), 1.0))
+
+
+def adaptive_anchor(
+    outlooks: Sequence[Outlook], p: float, recall_slope: float, tolerance: float
+) -> tuple[str, float]:
+    """The fixed anchor with the lowest predicted step time whose predicted recall loss is within ``tolerance``.
+
+    The step lasts as long as the slowest rank; a lower anchor shortens it but makes stragglers sparser.
+    ``recall_slope`` (recall gained per unit of density, observed during training) says what that costs:
+    near 1 in a near-uniform regime, near 0 where attention is sharp. Ties in step time go to the anchor
+    losing less recall; ``max`` never loses recall, so there is always a choice.
+    """
+    base = [o.base for o in outlooks]
+    options = []
+    for name in FIXED_ANCHORS:
+        anchor = anchor_time(base, name)
+        step = max(o.at(anchor) for o in outlooks)
+        options.append((step, recall_drop(outlooks, anchor, p, recall_slope), name, anchor))
+    feasible = [o for o in options if o[1] <= tolerance] or [min(options, key=lambda o: o[1])]
+    _, _, name, anchor = min(feasible, key=lambda o: (round(o[0], 12), o[1]))
+    return name, anchor
+
+
+@dataclass(frozen=True)
+class RankBudget:
+    """A rank's move: ``shift`` in [-1, 1] units of p, the density it aims at, and the per-layer budgets."""
+
+    shift: float
+    density: float
+    budgets: list[LayerBudget]
+
+
+def rank_budget(
+    model: LatencyModel,
+    lengths: Sequence[int],
+    view: Outlook,
+    anchor: float,
+    p: float,
+    base: Sequence[LayerBudget],
+    previous_shift: float | None = None,
+) -> RankBudget:
+    """This rank's budgets for moving its predicted time toward ``anchor`` (module docstring).
+
+    The density target inverts the latency model exactly (``density_for``). After the first step the shift
+    moves by at most 1 (tau by at most p) from ``previous_shift``, so budgets cannot oscillate by more.
+    With p = 0 the base budgets are returned unchanged (the static baseline).
+    """
+    if p <= 0:
+        return RankBudget(0.0, view.density, [replace(b) for b in base])
+    target = model.density_for(lengths, view.at(anchor), clip=True)
+    shift = float(np.clip((target - view.density) / p, -1.0, 1.0))
+    if previous_shift is not None:
+        shift = float(np.clip(shift, previous_shift - 1.0, previous_shift + 1.0))
+    density = float(np.clip(view.density + shift * p, model.min_density, 1.0))
+    budgets = [
+        LayerBudget(float(np.clip(b.tau + shift * p, MIN_TAU, 1.0)), _cap(b.max_density, shift, p, density))
+        for b in base
+    ]
+    return RankBudget(shift, density, budgets)
+
+
+def _cap(base_cap: float | None, shift: float, p: float, density: float) -> float | None:
+    """A straggler's cap is its density target (never above its base cap); a fast rank's base cap moves up
+    by shift * p (module docstring)."""
+    if shift < 0:
+        return density if base_cap is None else min(base_cap, density)
+    if base_cap is None:
+        return None
+    moved = base_cap + shift * p
+    return None if moved >= 1.0 else moved

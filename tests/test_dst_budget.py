@@ -1,0 +1,94 @@
+"""The DST budget rule as pure functions: predicted times + latency model -> budgets (DESIGN.md 4.4)."""
+
+import numpy as np
+import pytest
+
+from sparsebalance_pl.attention import LayerBudget
+from sparsebalance_pl.callbacks.budget import (
+    adaptive_anchor,
+    anchor_time,
+    imbalance,
+    outlook,
+    rank_budget,
+    recall_drop,
+    with_speed,
+)
+from sparsebalance_pl.latency import LatencyModel
+from sparsebalance_pl.model import PRESETS
+
+TAU0 = 0.9
+BASE = [LayerBudget(TAU0, None)] * 4
+LONG, SHORT = [4096], [512] * 8  # same tokens, very different attention work
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16)
+
+
+def _views(model, p, density=0.9):
+    return [outlook(model, lengths, [density] * len(lengths), p) for lengths in (LONG, SHORT)]
+
+
+@pytest.mark.parametrize("p", [0.05, 0.1, 0.2])
+def test_straggler_goes_sparser_fast_rank_denser_within_p(model, p):
+    views = _views(model, p)
+    anchor = anchor_time([v.base for v in views], "mean")
+    slow, fast = (rank_budget(model, lengths, v, anchor, p, BASE) for lengths, v in zip((LONG, SHORT), views))
+    assert slow.shift < 0 < fast.shift
+    for rb, view in ((slow, views[0]), (fast, views[1])):
+        for b in rb.budgets:
+            assert TAU0 - p - 1e-9 <= b.tau <= min(TAU0 + p, 1.0) + 1e-9
+            assert b.max_density is None or abs(b.max_density - view.density) <= p + 1e-9
+    assert fast.budgets[0].max_density is None
+    assert slow.budgets[0].max_density < views[0].density
+    assert slow.budgets[0].tau < TAU0 < fast.budgets[0].tau
+    # The straggler's cap bounds its predicted time at the anchor or its sparsest allowed budget.
+    assert model.predict(LONG, slow.budgets[0].max_density) == pytest.approx(views[0].at(anchor), rel=1e-6)
+    chosen = [v.at(anchor) for v in views]
+    assert imbalance(chosen) < imbalance([v.base for v in views])
+
+
+def test_static_budget_at_p_zero(model):
+    views = _views(model, 0.0)
+    rb = rank_budget(model, LONG, views[0], 0.0, 0.0, BASE)
+    assert rb.shift == 0 and rb.budgets == BASE
+
+
+def test_shift_moves_at_most_one_unit_per_step(model):
+    p = 0.1
+    views = _views(model, p)
+    anchor = anchor_time([v.base for v in views], "min")
+    free = rank_budget(model, LONG, views[0], anchor, p, BASE)
+    limited = rank_budget(model, LONG, views[0], anchor, p, BASE, previous_shift=1.0)
+    assert free.shift == pytest.approx(-1.0) and limited.shift == pytest.approx(0.0)
+
+
+def test_anchors():
+    times = [1.0, 2.0, 6.0]
+    assert anchor_time(times, "mean") == 3.0
+    assert anchor_time(times, "median") == 2.0
+    assert anchor_time(times, "min") == 1.0 and anchor_time(times, "max") == 6.0
+    with pytest.raises(ValueError):
+        anchor_time(times, "adaptive")
+
+
+def test_adaptive_anchor_trades_speed_for_recall(model):
+    p = 0.1
+    views = _views(model, p)
+    steps = {name: max(v.at(anchor_time([w.base for w in views], name)) for v in views)
+             for name in ("min", "median", "mean", "max")}
+    # Recall that does not depend on density: take the fastest step.
+    name, _ = adaptive_anchor(views, p, recall_slope=0.0, tolerance=0.0)
+    assert steps[name] == pytest.approx(min(steps.values()))
+    # Recall that follows density and no allowance: never lose recall.
+    name, anchor = adaptive_anchor(views, p, recall_slope=1.0, tolerance=0.0)
+    assert recall_drop(views, anchor, p, 1.0) <= 1e-12
+
+
+def test_speed_scales_only_the_timed_terms(model):
+    slow = with_speed(model, 2.0)
+    base, doubled = model.breakdown(LONG, 0.5), slow.breakdown(LONG, 0.5)
+    assert doubled["attention"] == pytest.approx(2 * base["attention"])
+    assert doubled["tokens"] == pytest.approx(base["tokens"])
+    assert np.isclose(model.predict(LONG, 0.5), sum(base.values()))

@@ -1,0 +1,165 @@
+"""DynamicSparsityTuning with a second, minimal LightningModule implementing the protocol.
+
+The toy module's one 'attention layer' keeps about tau of its blocks (the near-uniform regime) and reports
+a synthetic attention time (kept tiles x a constant), so multi-rank runs are deterministic and test the
+callback's logic rather than this shared machine's noise. Two-rank runs use DDP on the CPU in a subprocess
+(DESIGN.md 3: DDP inside pytest relaunches pytest), running this file as a script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from sparsebalance_pl.attention import LayerBudget
+from sparsebalance_pl.callbacks.dst import DynamicSparsityTuning
+from sparsebalance_pl.callbacks.protocol import SparsityReport, SparsityTunable
+from sparsebalance_pl.datamodules.density import DensityEstimator
+from sparsebalance_pl.latency import LatencyModel, kept_tiles
+from sparsebalance_pl.model import PRESETS
+
+TAU0 = 0.9
+SECONDS_PER_TILE = 2e-6
+EQUAL = [[2048, 2048], [2048, 2048]]
+
+
+class MinimalTunable(L.LightningModule):
+    """``SparsityTunable`` on a one-parameter model; rank r trains on ``workloads[r]`` every step."""
+
+    def __init__(self, workloads: list[list[int]]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1))
+        self.workloads = workloads
+        self.base_budgets = [LayerBudget(TAU0)]
+        self.layer_budgets = [LayerBudget(TAU0)]
+        self.latency_model: LatencyModel | None = None
+        self.density_estimator = DensityEstimator(block_size=64)
+        self.history: list[tuple[int, float, float | None]] = []
+        self._report: SparsityReport | None = None
+
+    def setup(self, stage: str) -> None:
+        self.latency_model = LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16)
+
+    def train_dataloader(self) -> DataLoader:
+        lengths = torch.tensor(self.workloads[self.global_rank % len(self.workloads)])
+        return DataLoader([{"lengths": lengths}] * 1000, batch_size=None)
+
+    def document_lengths(self, batch: dict) -> list[int]:
+        return batch["lengths"].tolist()
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        budget = self.layer_budgets[0]
+        density = min(budget.tau, budget.max_density or 1.0)
+        lengths = batch["lengths"].double().numpy()
+        seconds = float(kept_tiles(lengths, density, 64).sum()) * SECONDS_PER_TILE
+        self._report = SparsityReport([density], [density], [TAU0] * len(lengths), seconds)
+        self.history.append((self.global_step, budget.tau, budget.max_density))
+        return ((self.weight - density) ** 2).sum()
+
+    def sparsity_report(self) -> SparsityReport | None:
+        return self._report
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _trainer(tmp: Path, steps: int, callbacks: list, devices: int = 1, **kwargs) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=steps,
+        callbacks=callbacks, logger=L.pytorch.loggers.CSVLogger(tmp, name="logs"), log_every_n_steps=1,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp, **kwargs,
+    )
+
+
+def test_protocol_is_checked(tmp_path):
+    assert isinstance(MinimalTunable(EQUAL), SparsityTunable)
+
+    class Plain(L.LightningModule):
+        pass
+
+    assert not isinstance(Plain(), SparsityTunable)
+    with pytest.raises(TypeError, match="SparsityTunable"):
+        DynamicSparsityTuning().setup(None, Plain(), "fit")
+
+
+def test_single_rank_keeps_base_budget_and_logs(tmp_path):
+    module, dst = MinimalTunable(EQUAL), DynamicSparsityTuning(anchor="adaptive")
+    _trainer(tmp_path, 3, [dst]).fit(module)
+    assert [(tau, cap) for _, tau, cap in module.history] == [(TAU0, None)] * 3
+    assert "dst/rank0/tau" in module.trainer.logged_metrics
+    state = dst.state_dict()
+    assert set(state) == {"latency", "density", "recall_slope", "log_speeds", "shifts", "budgets"}
+    json.dumps(state)  # plain data
+    restored = DynamicSparsityTuning(anchor="adaptive")
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    restored.on_fit_start(module.trainer, module)
+    assert restored.state_dict() == state
+
+
+def _run_two_ranks(out: Path, *args: str) -> None:
+    command = [sys.executable, __file__, str(out), *args]
+    path = os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=out, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+
+def _history(out: Path) -> dict[int, list]:
+    return {r: json.loads((out / f"history{r}.json").read_text()) for r in (0, 1)}
+
+
+@pytest.mark.slow
+def test_slow_rank_gets_sparser_then_balanced_and_resumes_identically(tmp_path):
+    """A rank whose attention is 1.5x slower (imbalance 1.2): its budget falls, the measured imbalance drops below 1.1
+    within 20 steps, budgets stay in [tau0 - p, tau0 + p] and move by at most p per step; a run resumed
+    from the step-3 checkpoint chooses the same budgets as the uninterrupted one."""
+    p = 0.2  # a 1.5x slower rank cannot be balanced within p = 0.1 at tau0 = 0.9 in this regime
+    first, second = tmp_path / "first", tmp_path / "resumed"
+    first.mkdir(), second.mkdir()
+    _run_two_ranks(first, "--steps", "20", "--p", str(p))
+    runs = _history(first)
+    rows = list(csv.DictReader(open(first / "logs/version_0/metrics.csv")))
+    imbalance = [float(r["dst/measured_imbalance"]) for r in rows if r.get("dst/measured_imbalance")]
+    assert imbalance[0] > 1.15 and max(imbalance[-3:]) < 1.1, imbalance
+    taus = {r: [tau for _, tau, _ in runs[r]] for r in runs}
+    assert taus[1][-1] < TAU0 < taus[0][-1]
+    for series in taus.values():
+        assert all(TAU0 - p - 1e-9 <= t <= TAU0 + p + 1e-9 for t in series)
+        assert all(abs(a - b) <= p + 1e-9 for a, b in zip(series, series[1:]))
+
+    checkpoint = next((first / "checkpoints").glob("*step=3.ckpt"))
+    _run_two_ranks(second, "--steps", "6", "--p", str(p), "--resume", str(checkpoint))
+    resumed = _history(second)
+    for r in (0, 1):
+        assert resumed[r] == [entry for entry in runs[r] if 3 <= entry[0] < 6]
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--p", type=float)
+    parser.add_argument("--resume")
+    args = parser.parse_args()
+    module = MinimalTunable(EQUAL)
+    dst = DynamicSparsityTuning(anchor="mean", p=args.p, slowdown={1: 1.5})
+    every = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=args.out / "checkpoints", every_n_train_steps=3, save_top_k=-1, filename="{step}"
+    )
+    _trainer(args.out, args.steps, [dst, every], devices=2).fit(module, ckpt_path=args.resume)
+    (args.out / f"history{module.global_rank}.json").write_text(json.dumps(module.history))
+
+
+if __name__ == "__main__":
+    _main()
