@@ -21,9 +21,10 @@ from sparsebalance_pl.attention import (
 from sparsebalance_pl.callbacks.protocol import SparsityReport
 from sparsebalance_pl.datamodules.density import DensityEstimator
 from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl.evaluation import answer_exact_match
 from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.loss import chunked_cross_entropy_sum, globally_normalised_loss
-from sparsebalance_pl.metrics import TokenMeanLoss
+from sparsebalance_pl.metrics import CellAccuracy, TokenMeanLoss
 from sparsebalance_pl.model import ModelConfig
 from sparsebalance_pl.strategy import apply_fully_shard
 
@@ -74,11 +75,19 @@ class PackedCausalLM(nn.Module):
         self.loss_chunk_tokens = loss_chunk_tokens
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor, ctx: AttentionContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        targets: torch.Tensor,
+        ctx: AttentionContext,
+        answer_spans: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """(summed loss, loss-bearing tokens); with ``answer_spans``, whether each answer is predicted."""
         hidden = self.hf.model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, sb_context=ctx
         ).last_hidden_state
+        if answer_spans is not None:
+            return answer_exact_match(hidden[0], self.hf.lm_head.weight, input_ids[0], answer_spans)
         return chunked_cross_entropy_sum(hidden[0], self.hf.lm_head.weight, targets[0], self.loss_chunk_tokens)
 
 
@@ -134,6 +143,7 @@ class SparseQwen(L.LightningModule):
         self.net: PackedCausalLM | None = None
         self.val_loss = TokenMeanLoss()
         self.test_loss = TokenMeanLoss()
+        self.answer_accuracy: CellAccuracy | None = None
         self.last_context: AttentionContext | None = None
         self.save_hyperparameters()
 
@@ -230,7 +240,27 @@ class SparseQwen(L.LightningModule):
         self._evaluate(batch, self.val_loss, "val/loss")
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
-        self._evaluate(batch, self.test_loss, "test/loss")
+        """Retrieval accuracy on evaluation tasks (batches with ``answer_spans``), else the loss."""
+        if "answer_spans" not in batch:
+            self._evaluate(batch, self.test_loss, "test/loss")
+            return
+        ctx = self.attention_context(batch["cu_seqlens"])
+        correct = self.net(batch["input_ids"], batch["position_ids"], batch["targets"], ctx, batch["answer_spans"])
+        self._answer_accuracy(batch["cells"]).update(batch["cells"], correct)
+
+    def _answer_accuracy(self, cells: torch.Tensor) -> CellAccuracy:
+        """The per-(task, length) accuracy of this test run, named by the data module's evaluation cells."""
+        if self.answer_accuracy is None:
+            names = getattr(getattr(self.trainer, "datamodule", None), "eval_config", None)
+            names = names.cells if names is not None else [str(i) for i in range(int(cells.max()) + 1)]
+            self.answer_accuracy = CellAccuracy(names).to(self.device)
+        return self.answer_accuracy
+
+    def on_test_epoch_end(self) -> None:
+        if self.answer_accuracy is not None:
+            accuracy = self.answer_accuracy.compute()  # already summed over ranks
+            self.log_dict({f"test/accuracy/{cell}": value for cell, value in accuracy.items()}, rank_zero_only=True)
+            self.answer_accuracy = None
 
     def _evaluate(self, batch: dict, metric: TokenMeanLoss, name: str) -> None:
         loss_sum, num_tokens = self(batch)

@@ -37,3 +37,7 @@ def test_fit_then_validate_from_checkpoint(tmp_path):
     assert checkpoint.exists()
     result = _run(tmp_path, "validate", *SMALL, f"--ckpt_path={checkpoint}")
     assert "val/loss" in result.stdout
+    result = _run(tmp_path, "test", *SMALL, f"--ckpt_path={checkpoint}", "--data.eval_lengths=[256, 512]",
+                  "--data.eval_samples_per_cell=2")
+    for cell in ("passkey@256", "multikey_niah@512", "kv_retrieval@512"):
+        assert f"test/accuracy/{cell}" in result.stdout
