@@ -22,7 +22,7 @@ from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.model import ModelConfig
 
 from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
-from sparsebalance_pl.errors import ConfigError, DataError
+from sparsebalance_pl.errors import ConfigError, DataError, TrainingError
 from sparsebalance_pl.module import SparseQwen
 
 
@@ -101,6 +101,6 @@ def main(args: list[str] | None = None) -> SparseBalanceCLI | Path | None:
             save_config_kwargs={"overwrite": True},
             args=args,
         )
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, TrainingError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class DataError(ValueError):
     """Input data cannot be used; the message names the file or sample concerned."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (for example, the loss stayed non-finite); the message says why and where."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import lightning as L
 import numpy as np
+from lightning.pytorch.utilities import rank_zero_warn
 import torch
 from torch import nn
 
@@ -20,7 +21,7 @@ from sparsebalance_pl.attention import (
 )
 from sparsebalance_pl.callbacks.protocol import SparsityReport
 from sparsebalance_pl.datamodules.density import DensityEstimator
-from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl.errors import ConfigError, TrainingError
 from sparsebalance_pl.evaluation import answer_exact_match
 from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.loss import chunked_cross_entropy_sum, globally_normalised_loss
@@ -110,6 +111,8 @@ class SparseQwen(L.LightningModule):
             missing, unreadable or mismatched one is reported and replaced (see ``latency_profile``).
         latency_profile: when the table is missing or from other hardware, run the quick profile (about a
             minute) and save it to ``latency_table``; otherwise start from the analytic FLOP prior.
+        max_nonfinite_steps: steps with a non-finite loss are skipped on every rank; more than this many in
+            a run stop it with a message naming the step.
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class SparseQwen(L.LightningModule):
         activation_checkpointing: bool = False,
         latency_table: str | None = None,
         latency_profile: bool = False,
+        max_nonfinite_steps: int = 10,
     ) -> None:
         super().__init__()
         self.model_config = model
@@ -137,6 +141,9 @@ class SparseQwen(L.LightningModule):
         ]
         self.layer_budgets = [replace(b) for b in self.base_budgets]
         self.latency_table = latency_table
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self.nonfinite_steps = 0
+        self.skip_update = False
         self.latency_profile = latency_profile
         self.latency_model: LatencyModel | None = None
         self.density_estimator = DensityEstimator(block_size=self.attention_config.block_size)
@@ -233,8 +240,38 @@ class SparseQwen(L.LightningModule):
         start = time.perf_counter()
         loss_sum, num_tokens = self(batch)
         loss, reported = globally_normalised_loss(loss_sum, num_tokens)
-        self._log_step("train", reported, batch, start)
+        if torch.isfinite(reported):
+            self._log_step("train", reported, batch, start)
+        else:
+            self._flag_nonfinite(batch_idx)
         return loss
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        """The usual step, unless a loss of this step was not finite: then the gradients are dropped."""
+        if optimizer_closure is not None:
+            optimizer_closure()  # forward and backward, run on every rank alike so collectives stay matched
+        if self.skip_update:
+            optimizer.zero_grad(set_to_none=True)
+            self.skip_update = False
+            return
+        optimizer.step()
+
+    def _flag_nonfinite(self, batch_idx: int) -> None:
+        """Mark this step's update to be skipped because its loss is not finite on some rank.
+
+        The reported loss is already summed over ranks, so every rank reaches the same verdict and skips the
+        same update (the backward still runs everywhere, keeping the collectives of all ranks matched).
+        """
+        self.skip_update = True
+        self.nonfinite_steps += 1
+        self.log("train/nonfinite_steps", float(self.nonfinite_steps), batch_size=1)
+        where = f"step {self.global_step} (batch {batch_idx} of epoch {self.current_epoch})"
+        if self.nonfinite_steps > self.max_nonfinite_steps:
+            raise TrainingError(
+                f"the loss was not finite at {where}, {self.nonfinite_steps} times in this run, more than "
+                f"max_nonfinite_steps={self.max_nonfinite_steps}: stopping"
+            )
+        rank_zero_warn(f"non-finite loss at {where}: update skipped on every rank")
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._evaluate(batch, self.val_loss, "val/loss")

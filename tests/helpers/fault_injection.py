@@ -1,0 +1,24 @@
+"""Callbacks that inject faults into real training runs, loaded by ``class_path`` in subprocess tests."""
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+
+class InjectNonFiniteLoss(Callback):
+    """Makes the loss of one rank NaN at the given optimiser steps (all steps from ``step`` on if ``persist``)."""
+
+    def __init__(self, rank: int = 0, step: int = 2, persist: bool = False) -> None:
+        self.rank, self.step, self.persist = rank, step, persist
+        self._hook = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        hit = trainer.global_step >= self.step if self.persist else trainer.global_step == self.step
+        if trainer.global_rank == self.rank and hit:
+            norm = pl_module.net.hf.model.norm
+            self._hook = norm.register_forward_hook(lambda module, args, out: out * torch.nan)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
