@@ -141,11 +141,11 @@ class SparseQwen(L.LightningModule):
         ]
         self.layer_budgets = [replace(b) for b in self.base_budgets]
         self.latency_table = latency_table
+        self.latency_profile = latency_profile
+        self.latency_model: LatencyModel | None = None
         self.max_nonfinite_steps = max_nonfinite_steps
         self.nonfinite_steps = 0
         self.skip_update = False
-        self.latency_profile = latency_profile
-        self.latency_model: LatencyModel | None = None
         self.density_estimator = DensityEstimator(block_size=self.attention_config.block_size)
         self.net: PackedCausalLM | None = None
         self.val_loss = TokenMeanLoss()
