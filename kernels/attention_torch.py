@@ -4,20 +4,27 @@ Work is proportional to the kept tiles. Rows (query head, query block) are sorte
 key blocks and cut into chunks; in a chunk every row gathers its kept K/V blocks side by side (padded to
 the chunk's longest row with a dummy block that masks itself out), so each row is one [B, D] x [D, n*B]
 matmul and one ordinary softmax, with no scatter across tiles and no T x T matrix. Only tiles that need it
-(diagonal, document boundaries, padding) get a token-level mask. Chunks are small enough for their scores
-to stay in cache. The backward recomputes probabilities from the saved log-sum-exp.
+(diagonal, document boundaries, padding) get a token-level mask. The backward recomputes probabilities
+with a softmax of the recomputed scores over the same kept keys (equal to exp(s - lse), and faster).
+
+Per-row tensors (q, dO, out, lse, dq) are permuted once per call into the plan's row order, so a chunk
+reads and writes contiguous slices instead of indexing, and each worker reuses its scratch buffers from
+chunk to chunk. With several torch threads the chunks are shared among that many Python threads running
+single-threaded ops: these many small ops scale much better across chunks than inside each op.
 """
 
 from __future__ import annotations
 
+import itertools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from .layout import TileLayout
 
-# Score elements (rows x B x kept keys) per chunk: small enough for the elementwise softmax passes to run
-# in cache, large enough to amortise the per-chunk operator overhead.
+# Score elements (rows x B x kept keys) per chunk: small enough for a chunk's buffers to stay in cache,
+# large enough to amortise the per-chunk operator overhead (2^19 measured best against 2^17..2^21).
 _CHUNK_ELEMENTS = 1 << 19
 
 
@@ -26,53 +33,63 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _to_blocks(x: torch.Tensor, layout: TileLayout, dtype: torch.dtype, extra_block: bool = False) -> torch.Tensor:
-    """[T, H, D] -> contiguous [H, nB (+1), B, D] in ``dtype``, zero-padded to whole blocks (plus an optional
-    all-zero dummy block per head, the target of padded slots)."""
+    """[T, H, D] -> contiguous [H * (nB (+1)), B, D] in ``dtype``, zero-padded to whole blocks (plus an
+    optional all-zero dummy block per head, the target of padded slots)."""
     num_tokens, heads, head_dim = x.shape
     blocks = layout.num_blocks + int(extra_block)
     x = x.to(dtype)
     padding = blocks * layout.block_size - num_tokens
     x = torch.cat([x, x.new_zeros(padding, heads, head_dim)]) if padding else x
-    return x.reshape(blocks, layout.block_size, heads, head_dim).permute(2, 0, 1, 3).contiguous()
+    return x.reshape(blocks, layout.block_size, heads, head_dim).permute(2, 0, 1, 3).reshape(-1, layout.block_size, head_dim)
 
 
-def _from_blocks(x: torch.Tensor, layout: TileLayout, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``_to_blocks``: [H, nB (+1), B, D] -> [T, H, D]."""
-    heads, _, _, head_dim = x.shape
-    x = x[:, : layout.num_blocks].reshape(heads, layout.num_blocks * layout.block_size, head_dim)
+def _unblock(x: torch.Tensor, layout: TileLayout, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``_to_blocks``: [H * (nB (+1)), B, D] -> [T, H, D]."""
+    head_dim = x.shape[-1]
+    x = x.view(heads, -1, layout.block_size, head_dim)[:, : layout.num_blocks]
+    x = x.reshape(heads, layout.num_blocks * layout.block_size, head_dim)
     return x[:, : layout.num_tokens].transpose(0, 1).to(dtype).contiguous()
 
 
 @dataclass
 class _Chunk:
-    rows: torch.Tensor  # [R] global rows h * nB + qb
+    start: int  # rows start:stop of the plan's row order
+    stop: int
     kv_slots: torch.Tensor  # [R, n] indices into the flattened [Hkv * (nB + 1)] K/V blocks
     mask_row: torch.Tensor  # [M] local row of each tile needing a token mask
     mask_slot: torch.Tensor  # [M] its slot
     blocked: torch.Tensor  # [M, B, B] True where the pair is not allowed
+    empty: tuple[torch.Tensor, torch.Tensor] | None  # (local row, query offset) of tokens with no allowed key
 
 
-def _plan(layout: TileLayout) -> list[_Chunk]:
-    """Chunks of rows with similar kept counts, each padded to its longest row (built once per layout,
-    shared by forward and backward)."""
+@dataclass
+class _Plan:
+    order: torch.Tensor  # [A] global rows h * nB + qb with kept tiles, by decreasing kept count
+    chunks: list[_Chunk]
+
+
+def _plan(layout: TileLayout) -> _Plan:
+    """Built once per layout, shared by forward and backward."""
     if "torch_plan" not in layout.scratch:
         layout.scratch["torch_plan"] = _build_plan(layout)
     return layout.scratch["torch_plan"]
 
 
-def _build_plan(layout: TileLayout) -> list[_Chunk]:
+def _build_plan(layout: TileLayout) -> _Plan:
     block, nb = layout.block_size, layout.num_blocks
     counts = layout.row_ptr[1:] - layout.row_ptr[:-1]
     order = torch.argsort(counts, descending=True, stable=True)
     sorted_counts = counts[order].tolist()
+    active = sum(1 for c in sorted_counts if c > 0)
+    order = order[:active]
     pad = (nb + 1) * block - layout.num_tokens
     doc_q = torch.cat([layout.doc, layout.doc.new_full((pad,), -1)])
     doc_k = torch.cat([layout.doc, layout.doc.new_full((pad,), -2)])  # padding and dummy never match
     offs = torch.arange(block, device=counts.device)
     chunks, start = [], 0
-    while start < len(sorted_counts) and sorted_counts[start] > 0:
+    while start < active:
         width = sorted_counts[start]
-        stop = min(start + max(1, _CHUNK_ELEMENTS // (width * block * block)), len(sorted_counts))
+        stop = min(start + max(1, _CHUNK_ELEMENTS // (width * block * block)), active)
         rows = order[start:stop]
         slot = torch.arange(width, device=counts.device)
         valid = slot[None, :] < counts[rows, None]
@@ -83,14 +100,35 @@ def _build_plan(layout: TileLayout) -> list[_Chunk]:
         qpos = (rows[mask_row] % nb)[:, None] * block + offs
         kpos = kb[mask_row, mask_slot][:, None] * block + offs
         allowed = (doc_q[qpos][:, :, None] == doc_k[kpos][:, None, :]) & (kpos[:, None, :] <= qpos[:, :, None])
-        chunks.append(_Chunk(rows, kv_head[:, None] * (nb + 1) + kb, mask_row, mask_slot, ~allowed))
+        # Softmax turns a row of -inf into NaN: remember the tokens that have no allowed key at all.
+        reachable = (valid & ~layout.tile_partial[tile]).sum(dim=1, keepdim=True) * block
+        reachable = reachable.expand(-1, block).index_add(0, mask_row, allowed.sum(dim=-1))
+        empty = torch.where(reachable == 0) if bool((reachable == 0).any()) else None
+        chunks.append(_Chunk(start, stop, kv_head[:, None] * (nb + 1) + kb, mask_row, mask_slot, ~allowed, empty))
         start = stop
-    return chunks
+    return _Plan(order, chunks)
 
 
-def _scores(chunk: _Chunk, q_rows: torch.Tensor, k_cols: torch.Tensor, block: int) -> torch.Tensor:
+class _Workspace:
+    """One worker's scratch buffers, reused chunk after chunk: fresh multi-megabyte tensors per op would
+    be cold in cache (and page-faulted in) on every chunk."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[name] = like.new_empty(numel)
+        return buf[:numel].view(shape)
+
+
+def _scores(chunk: _Chunk, q_rows: torch.Tensor, k_cols: torch.Tensor, block: int, out: torch.Tensor) -> torch.Tensor:
     """[R, B, n * B] scores of each row against its gathered key blocks, disallowed pairs at -inf."""
-    s = torch.bmm(q_rows, k_cols.transpose(1, 2))
+    s = torch.bmm(q_rows, k_cols.transpose(1, 2), out=out)
     if chunk.mask_row.numel():
         tiles = s.view(s.shape[0], block, -1, block)
         picked = tiles[chunk.mask_row, :, chunk.mask_slot, :]
@@ -98,10 +136,57 @@ def _scores(chunk: _Chunk, q_rows: torch.Tensor, k_cols: torch.Tensor, block: in
     return s
 
 
-def _gather(blocks: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _softmax(s: torch.Tensor, chunk: _Chunk, out: torch.Tensor) -> torch.Tensor:
+    """Row softmax into ``out`` (may be ``s`` itself: the kernel finishes reading a row before writing it),
+    tokens with no allowed key at 0. torch's softmax is much faster than exp_, hence also in the backward."""
+    p = torch.ops.aten._softmax.out(s, -1, False, out=out)
+    if chunk.empty is not None:
+        p[chunk.empty] = 0.0
+    return p
+
+
+def _gather(blocks: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """[H * (nB + 1), B, D] blocks at slots [R, n] -> [R, n * B, D] (index_select: a plain block copy,
     several times faster than advanced indexing here)."""
-    return blocks.index_select(0, slots.flatten()).view(slots.shape[0], -1, blocks.shape[-1])
+    torch.index_select(blocks, 0, slots.flatten(), out=out.view(-1, *blocks.shape[1:]))
+    return out
+
+
+def _run_chunks(chunks: list[_Chunk], work) -> list:
+    """Calls ``work(chunk, state)`` on every chunk; returns the per-worker states (``state`` is a dict each
+    worker owns). With more than one torch thread the chunks are pulled by that many Python threads, each
+    running single-threaded ops (ops release the GIL, so the Python overhead of one overlaps the other's
+    compute); the global thread count is restored afterwards."""
+    workers = min(torch.get_num_threads(), len(chunks))
+    if workers <= 1:
+        state: dict = {}
+        for chunk in chunks:
+            work(chunk, state)
+        return [state]
+    previous = torch.get_num_threads()
+    counter = itertools.count()
+
+    def loop() -> dict:
+        torch.set_num_threads(1)
+        state: dict = {}
+        for i in iter(lambda: next(counter), None):
+            if i >= len(chunks):
+                break
+            work(chunks[i], state)
+        return state
+
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(loop) for _ in range(workers)]
+            return [f.result() for f in futures]
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _rows(x: torch.Tensor, layout: TileLayout, dtype: torch.dtype, order: torch.Tensor) -> torch.Tensor:
+    """[T, Hq, D] -> [A, B, D]: the blocks of the plan's rows, in its order."""
+    return _to_blocks(x, layout, dtype).index_select(0, order)
 
 
 def forward(
@@ -109,23 +194,34 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the output [T, Hq, D] in q's dtype and the log-sum-exp [Hq * nB, B] (fp32 or fp64; -inf on
     rows with nothing allowed, whose output is 0)."""
-    dtype, block = _compute_dtype(q.dtype), layout.block_size
-    q_blocks = (_to_blocks(q, layout, dtype) * scale).flatten(0, 1)
-    k_blocks, v_blocks = (_to_blocks(x, layout, dtype, extra_block=True).flatten(0, 1) for x in (k, v))
-    out = torch.zeros_like(q_blocks)
-    lse = torch.full(q_blocks.shape[:2], float("-inf"), dtype=dtype, device=q.device)
-    for chunk in _plan(layout):
-        s = _scores(chunk, q_blocks[chunk.rows], _gather(k_blocks, chunk.kv_slots), block)
+    dtype, block, head_dim = _compute_dtype(q.dtype), layout.block_size, q.shape[-1]
+    plan = _plan(layout)
+    q_rows = _rows(q, layout, dtype, plan.order).mul_(scale)
+    k_blocks, v_blocks = (_to_blocks(x, layout, dtype, extra_block=True) for x in (k, v))
+    out_rows = torch.empty_like(q_rows)
+    lse_rows = torch.empty(q_rows.shape[:2], dtype=dtype, device=q.device)
+
+    def work(chunk: _Chunk, state: dict) -> None:
+        a, b = chunk.start, chunk.stop
+        ws = state.setdefault("ws", _Workspace())
+        rows, width = chunk.kv_slots.shape
+        cols = (rows, width * block, head_dim)
+        k_cols = _gather(k_blocks, chunk.kv_slots, ws.get("k", cols, q_rows))
+        s = _scores(chunk, q_rows[a:b], k_cols, block, ws.get("s", (rows, block, width * block), q_rows))
         # One fused softmax pass plus two max passes: the largest probability is 1 / sum(exp(s - max)), so
-        # lse = max - log(max p) without a separate (and slower) logsumexp.
+        # lse = max - log(max p) without a separate (and slower) exp or logsumexp.
         row_max = s.amax(dim=-1)
-        p = torch.softmax(s, dim=-1)
-        empty = torch.isinf(row_max).nonzero(as_tuple=True)
-        if empty[0].numel():
-            p[empty] = 0.0
-        out[chunk.rows] = torch.bmm(p, _gather(v_blocks, chunk.kv_slots))
-        lse[chunk.rows] = torch.where(torch.isinf(row_max), row_max, row_max - p.amax(dim=-1).log())
-    return _from_blocks(out.view(-1, layout.num_blocks, block, q.shape[-1]), layout, q.dtype), lse
+        p = _softmax(s, chunk, s)
+        torch.sub(row_max, p.amax(dim=-1).log_(), out=lse_rows[a:b])
+        if chunk.empty is not None:
+            lse_rows[a:b][chunk.empty] = float("-inf")
+        torch.bmm(p, _gather(v_blocks, chunk.kv_slots, k_cols), out=out_rows[a:b])
+
+    _run_chunks(plan.chunks, work)
+    rows = layout.num_q_heads * layout.num_blocks
+    out = q_rows.new_zeros(rows, block, head_dim).index_copy_(0, plan.order, out_rows)
+    lse = lse_rows.new_full((rows, block), float("-inf")).index_copy_(0, plan.order, lse_rows)
+    return _unblock(out, layout, layout.num_q_heads, q.dtype), lse
 
 
 def backward(
@@ -138,28 +234,46 @@ def backward(
     layout: TileLayout,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of q, k, v from the saved output and log-sum-exp, visiting the kept tiles only."""
-    dtype, block = _compute_dtype(q.dtype), layout.block_size
-    q_blocks = (_to_blocks(q, layout, dtype) * scale).flatten(0, 1)
-    do_blocks = _to_blocks(grad_out, layout, dtype).flatten(0, 1)
-    k_blocks, v_blocks = (_to_blocks(x, layout, dtype, extra_block=True).flatten(0, 1) for x in (k, v))
-    delta = (_to_blocks(out, layout, dtype).flatten(0, 1) * do_blocks).sum(dim=-1)  # [Hq * nB, B]
-    # Rows with nothing allowed have lse = -inf; +inf makes their probabilities exactly 0.
-    lse = torch.where(torch.isinf(lse), float("inf"), lse)
-    dq = torch.zeros_like(q_blocks)
-    dk, dv = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
-    for chunk in _plan(layout):
-        q_rows, do_rows = q_blocks[chunk.rows], do_blocks[chunk.rows]
-        k_cols, v_cols = _gather(k_blocks, chunk.kv_slots), _gather(v_blocks, chunk.kv_slots)
-        p = _scores(chunk, q_rows, k_cols, block).sub_(lse[chunk.rows].unsqueeze(-1)).exp_()
+    """Gradients of q, k, v from the saved output, visiting the kept tiles only (``lse`` is part of the
+    backend interface; here probabilities come from a softmax of the recomputed scores instead)."""
+    dtype, block, head_dim = _compute_dtype(q.dtype), layout.block_size, q.shape[-1]
+    plan = _plan(layout)
+    q_rows = _rows(q, layout, dtype, plan.order).mul_(scale)
+    do_rows = _rows(grad_out, layout, dtype, plan.order)
+    delta = _rows(out, layout, dtype, plan.order).mul_(do_rows).sum(dim=-1, keepdim=True)  # [A, B, 1]
+    k_blocks, v_blocks = (_to_blocks(x, layout, dtype, extra_block=True) for x in (k, v))
+    dq_rows = torch.empty_like(q_rows)
+
+    def work(chunk: _Chunk, state: dict) -> None:
+        a, b = chunk.start, chunk.stop
+        if not state:
+            state["dk"], state["dv"] = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
+            state["ws"] = _Workspace()
+        ws = state["ws"]
+        rows, width = chunk.kv_slots.shape
+        cols, scores = (rows, width * block, head_dim), (rows, block, width * block)
+        qr, dor = q_rows[a:b], do_rows[a:b]
+        k_cols = _gather(k_blocks, chunk.kv_slots, ws.get("k", cols, q_rows))
+        v_cols = _gather(v_blocks, chunk.kv_slots, ws.get("v", cols, q_rows))
+        s = _scores(chunk, qr, k_cols, block, ws.get("s", scores, q_rows))
+        p = _softmax(s, chunk, s)
         slots = chunk.kv_slots.flatten()
-        dv.index_add_(0, slots, torch.bmm(p.transpose(1, 2), do_rows).view(-1, block, q.shape[-1]))
-        ds = torch.bmm(do_rows, v_cols.transpose(1, 2)).sub_(delta[chunk.rows].unsqueeze(-1)).mul_(p)
-        dq[chunk.rows] = torch.bmm(ds, k_cols)
-        dk.index_add_(0, slots, torch.bmm(ds.transpose(1, 2), q_rows).view(-1, block, q.shape[-1]))
-    shape = (-1, layout.num_blocks + 1, block, q.shape[-1])
+        part = ws.get("part", cols, q_rows)
+        state["dv"].index_add_(0, slots, torch.bmm(p.transpose(1, 2), dor, out=part).view(-1, block, head_dim))
+        ds = torch.bmm(dor, v_cols.transpose(1, 2), out=ws.get("ds", scores, q_rows)).sub_(delta[a:b]).mul_(p)
+        torch.bmm(ds, k_cols, out=dq_rows[a:b])
+        state["dk"].index_add_(0, slots, torch.bmm(ds.transpose(1, 2), qr, out=part).view(-1, block, head_dim))
+
+    states = _run_chunks(plan.chunks, work)
+    dk, dv = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
+    for state in states:
+        if state:
+            dk += state["dk"]
+            dv += state["dv"]
+    rows = layout.num_q_heads * layout.num_blocks
+    dq = q_rows.new_zeros(rows, block, head_dim).index_copy_(0, plan.order, dq_rows.mul_(scale))
     return (
-        _from_blocks((dq * scale).view(-1, layout.num_blocks, block, q.shape[-1]), layout, q.dtype),
-        _from_blocks(dk.view(shape), layout, k.dtype),
-        _from_blocks(dv.view(shape), layout, v.dtype),
+        _unblock(dq, layout, layout.num_q_heads, q.dtype),
+        _unblock(dk, layout, layout.num_kv_heads, k.dtype),
+        _unblock(dv, layout, layout.num_kv_heads, v.dtype),
     )
