@@ -160,7 +160,7 @@ class SparseQwen(L.LightningModule):
         device = self.trainer.strategy.root_device if self._trainer is not None else None
         hf_model = self.model_config.build(ATTN_IMPLEMENTATION, device=device)
         if self.activation_checkpointing:
-            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.net = PackedCausalLM(hf_model, self.loss_chunk_tokens)
         mesh = self.device_mesh
         if mesh is not None:
