@@ -81,12 +81,6 @@ def anchor_time(times: Sequence[float], anchor: str) -> float:
     return float(reduce[anchor](np.asarray(times, dtype=np.float64)))
 
 
-def imbalance(times: Sequence[float]) -> float:
-    """Max over mean (1.0 is perfect balance, DESIGN.md 6)."""
-    t = np.asarray(times, dtype=np.float64)
-    return float(t.max() / t.mean()) if t.size and t.mean() > 0 else 1.0
-
-
 def recall_drop(outlooks: Sequence[Outlook], anchor: float, p: float, recall_slope: float) -> float:
     """Predicted token-weighted loss of recall against the base budget once every rank moved toward ``anchor``."""
     tokens = np.array([o.tokens for o in outlooks])

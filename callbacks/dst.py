@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
 from sparsebalance_pl.attention import LayerBudget
+from sparsebalance_pl.balance import imbalance
 from sparsebalance_pl.callbacks.budget import (
     ANCHORS,
     Anchor,
@@ -33,7 +34,6 @@ from sparsebalance_pl.callbacks.budget import (
     RankBudget,
     adaptive_anchor,
     anchor_time,
-    imbalance,
     outlook,
     rank_budget,
     with_speed,

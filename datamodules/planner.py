@@ -24,6 +24,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from sparsebalance_pl.balance import balance_efficiency as balance_efficiency_of_rows
 from sparsebalance_pl.errors import ConfigError, DataError
 
 from .partition import CapacityError, partition
@@ -131,17 +132,12 @@ class GlobalBatch:
     @property
     def imbalance(self) -> float:
         """Predicted step time over its balanced time: sum over micro-batches of max / mean over ranks."""
-        mean = self.costs.mean(axis=1).sum()
-        return float(self.costs.max(axis=1).sum() / mean) if mean > 0 else 1.0
+        return 1.0 / balance_efficiency_of_rows(self.costs)
 
 
 def balance_efficiency(batches: Iterable[GlobalBatch]) -> float:
-    """Sum over steps of the mean rank time over the sum of the slowest (1.0 is perfect; DESIGN.md 6)."""
-    mean = slowest = 0.0
-    for batch in batches:
-        mean += batch.costs.mean(axis=1).sum()
-        slowest += batch.costs.max(axis=1).sum()
-    return mean / slowest if slowest > 0 else 1.0
+    """Sum over steps (micro-batch rounds) of the mean rank time over the sum of the slowest (DESIGN.md 6)."""
+    return balance_efficiency_of_rows(row for batch in batches for row in batch.costs)
 
 
 def plan_epoch(

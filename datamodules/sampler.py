@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 from torch.utils.data import Sampler
 
+from sparsebalance_pl.balance import balance_efficiency, imbalance
 from sparsebalance_pl.datamodules.packing import first_fit
 from sparsebalance_pl.datamodules.planner import CostFn, PlannerConfig, plan_epoch
 
@@ -35,8 +36,7 @@ class StepPlan:
 
     @property
     def imbalance(self) -> float:
-        mean = float(self.costs.mean())
-        return float(self.costs.max()) / mean if mean > 0 else 1.0
+        return imbalance(self.costs)
 
 
 EpochPlan = list[StepPlan]
@@ -75,9 +75,8 @@ def sparsity_aware_plan(lengths: np.ndarray, cost_fn: CostFn, config: PlannerCon
 
 
 def plan_efficiency(plan: EpochPlan) -> float:
-    """Predicted balance efficiency (DESIGN.md 6): sum over steps of mean rank cost / sum of max rank cost."""
-    slowest = sum(float(step.costs.max()) for step in plan)
-    return sum(float(step.costs.mean()) for step in plan) / slowest if slowest > 0 else 1.0
+    """Predicted balance efficiency (DESIGN.md 6) of a plan, from each step's per-rank costs."""
+    return balance_efficiency(step.costs for step in plan)
 
 
 def _padding(lengths: np.ndarray) -> PaddingItem:

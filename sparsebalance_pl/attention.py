@@ -250,7 +250,9 @@ def _sparse_attention(
         ctx.stats[layer] = LayerStats(
             density=stats.mean_density(),
             estimated_recall=stats.mean_kept_mass(),
-            base_document_density=document_density(stats, ctx.cu_seqlens, q.shape[0], cfg.block_size, base),
+            base_document_density=document_density(
+                stats, ctx.cu_seqlens, q.shape[0], cfg.block_size, None if base == budget else base
+            ),
         )
     return block_sparse_attention(
         q, k, v, mask, ctx.cu_seqlens, block_size=cfg.block_size, scale=scale, backend=cfg.kernel_backend
@@ -258,16 +260,18 @@ def _sparse_attention(
 
 
 def document_density(
-    stats, cu_seqlens: torch.Tensor, num_tokens: int, block_size: int, budget: LayerBudget
+    stats, cu_seqlens: torch.Tensor, num_tokens: int, block_size: int, budget: LayerBudget | None
 ) -> torch.Tensor:
-    """[docs] kept / causal tiles of each document at ``budget``, from a selection's ranking (``SelectionStats``).
+    """[docs] kept / causal tiles of each document at ``budget``, from a selection's ranking (``SelectionStats``);
+    ``None``: the budget the selection used (its kept counts, no re-ranking).
 
     A query block shared by two documents counts for the one it starts in; exact for block-aligned documents.
     A document starting no block (shorter than one, inside another's) is dense: it sees only forced blocks.
     """
     from sparsebalance_pl.kernels.layout import token_doc_ids
 
-    kept = stats.kept_at([budget.tau], budget.max_density)[..., 0].sum(0).float()  # [nB]
+    kept_rows = stats.kept if budget is None else stats.kept_at([budget.tau], budget.max_density)[..., 0]
+    kept = kept_rows.sum(0).float()  # [nB]
     doc_ids = token_doc_ids(cu_seqlens.to(kept.device), num_tokens)
     block_doc = doc_ids[::block_size]
     num_docs = len(cu_seqlens) - 1

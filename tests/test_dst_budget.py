@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from sparsebalance_pl.attention import LayerBudget
+from sparsebalance_pl.balance import imbalance
 from sparsebalance_pl.callbacks.budget import (
     adaptive_anchor,
     anchor_time,
-    imbalance,
     outlook,
     rank_budget,
     recall_drop,

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig
+from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.model import ModelConfig
-from sparsebalance_pl.module import PackedCausalLM, SparseQwen
+from sparsebalance_pl.module import SparseQwen
 
 TINY = {"num_layers": 2, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}
 
