@@ -41,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--backends", nargs="+", choices=["torch", "triton"], default=None,
+        help="sparse backends to time (default: torch, plus triton on CUDA)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2048 tokens, 4/2 heads: a smoke run")
     args = parser.parse_args(argv)
@@ -73,7 +77,7 @@ def main(argv=None) -> None:
     grad = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     bounds = torch.linspace(0, args.tokens, args.docs + 1).round()
     cu_seqlens = bounds.to(device=device, dtype=torch.int32)
-    backends = ["torch"] + (["triton"] if device.type == "cuda" else [])
+    backends = args.backends or ["torch"] + (["triton"] if device.type == "cuda" else [])
 
     def select(tau=1.0, max_density=None):
         return select_blocks(

@@ -1,7 +1,7 @@
 """Triton version of the selection scoring: stride antidiagonal scores, softmax and block sums fused.
 
 Same result as ``selection.estimate_block_mass`` without materialising the (T/S)^2 stride-level scores:
-one program per (query block, query head) makes two passes over the causal key groups, the first for the
+one program per run of query blocks and query head makes two passes over the causal key groups, the first for the
 softmax max and normaliser of each stride row, the second to add the probabilities up per key block.
 """
 
@@ -20,8 +20,12 @@ _LOG2E = 1.4426950408889634
 def _stride_scores(Q, K, rows, cols, head, kv_head, row_ok, col_ok, first_q, last_k, qk_scale, T,
                    stride_qt, stride_qh, stride_kt, stride_kh,
                    STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
-    """Base-2 scaled antidiagonal sums of stride tiles (rows x cols); causal, document-sharing cells only."""
+                   BLOCK_D: tl.constexpr, NATIVE: tl.constexpr):
+    """Base-2 scaled antidiagonal sums of stride tiles (rows x cols); causal, document-sharing cells only.
+
+    NATIVE multiplies half-precision inputs on the tensor cores (fp32 accumulation); otherwise the
+    products are fp32 without TF32, which is also the path the interpreter takes.
+    """
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
@@ -29,10 +33,13 @@ def _stride_scores(Q, K, rows, cols, head, kv_head, row_ok, col_ok, first_q, las
         q_tok = rows * STRIDE + i
         k_tok = cols * STRIDE + (STRIDE - 1 - i)
         q = tl.load(Q + q_tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                    mask=(row_ok & (q_tok < T))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                    mask=(row_ok & (q_tok < T))[:, None] & d_ok[None, :], other=0.0)
         k = tl.load(K + k_tok[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                    mask=(col_ok & (k_tok < T))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(q, tl.trans(k), input_precision="ieee")
+                    mask=(col_ok & (k_tok < T))[:, None] & d_ok[None, :], other=0.0)
+        if NATIVE:
+            acc += tl.dot(q, tl.trans(k))
+        else:
+            acc += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     allowed = (cols[None, :] <= rows[:, None]) & (first_q[:, None] <= last_k[None, :]) & col_ok[None, :]
     return tl.where(allowed, acc * qk_scale, float("-inf"))
 
@@ -43,16 +50,18 @@ def _block_mass_kernel(
     qk_scale, T, NUM_GROUPS, NB,
     stride_qt, stride_qh, stride_kt, stride_kh,
     GROUP: tl.constexpr, STRIDE: tl.constexpr, PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE: tl.constexpr,
 ):
-    qb = tl.program_id(0)
+    """One program per (BLOCK_R stride rows, query head): BLOCK_R / PER_BLOCK whole query blocks."""
+    QBS: tl.constexpr = BLOCK_R // PER_BLOCK
+    KBS: tl.constexpr = BLOCK_C // PER_BLOCK
+    pid = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
-    r = tl.arange(0, BLOCK_R)
-    rows = qb * PER_BLOCK + r
-    row_ok = (r < PER_BLOCK) & (rows < NUM_GROUPS)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < NUM_GROUPS
     first_q = tl.load(FIRST + rows, mask=row_ok, other=0)
-    end_col = tl.minimum((qb + 1) * PER_BLOCK, NUM_GROUPS)
+    end_col = tl.minimum((pid + 1) * BLOCK_R, NUM_GROUPS)
     row_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_R], tl.float32)
     for c0 in range(0, end_col, BLOCK_C):
@@ -60,23 +69,25 @@ def _block_mass_kernel(
         col_ok = cols < end_col
         last_k = tl.load(LAST + cols, mask=col_ok, other=-1)
         s = _stride_scores(Q, K, rows, cols, head, kv_head, row_ok, col_ok, first_q, last_k, qk_scale, T,
-                           stride_qt, stride_qh, stride_kt, stride_kh, STRIDE, HEAD_DIM, BLOCK_R, BLOCK_C, BLOCK_D)
+                           stride_qt, stride_qh, stride_kt, stride_kh, STRIDE, HEAD_DIM, BLOCK_R, BLOCK_C, BLOCK_D, NATIVE)
         new_max = tl.maximum(row_max, tl.max(s, axis=1))
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
         row_sum = row_sum * tl.exp2(row_max - safe_max) + tl.sum(tl.exp2(s - safe_max[:, None]), axis=1)
         row_max = new_max
     safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
     inv_sum = tl.where(row_ok & (row_sum > 0), 1.0 / tl.where(row_sum > 0, row_sum, 1.0), 0.0)
+    qbs = pid * QBS + tl.arange(0, QBS)
     for c0 in range(0, end_col, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         col_ok = cols < end_col
         last_k = tl.load(LAST + cols, mask=col_ok, other=-1)
         s = _stride_scores(Q, K, rows, cols, head, kv_head, row_ok, col_ok, first_q, last_k, qk_scale, T,
-                           stride_qt, stride_qh, stride_kt, stride_kh, STRIDE, HEAD_DIM, BLOCK_R, BLOCK_C, BLOCK_D)
+                           stride_qt, stride_qh, stride_kt, stride_kh, STRIDE, HEAD_DIM, BLOCK_R, BLOCK_C, BLOCK_D, NATIVE)
         p = tl.exp2(s - safe_max[:, None]) * inv_sum[:, None]
-        per_block = tl.sum(tl.reshape(tl.sum(p, axis=0), (BLOCK_C // PER_BLOCK, PER_BLOCK)), axis=1)
-        kb = c0 // PER_BLOCK + tl.arange(0, BLOCK_C // PER_BLOCK)
-        tl.store(MASS + (head * NB + qb) * NB + kb, per_block, mask=kb <= qb)
+        per_block = tl.sum(tl.sum(tl.reshape(p, (QBS, PER_BLOCK, KBS, PER_BLOCK)), axis=3), axis=1)
+        kbs = c0 // PER_BLOCK + tl.arange(0, KBS)
+        keep = (kbs[None, :] <= qbs[:, None]) & (qbs[:, None] < NB)
+        tl.store(MASS + (head * NB + qbs[:, None]) * NB + kbs[None, :], per_block, mask=keep)
 
 
 def estimate_block_mass(
@@ -89,12 +100,13 @@ def estimate_block_mass(
     per_block = block_size // stride
     first, last = (x.to(torch.int32) for x in group_doc_range(doc, stride))
     mass = torch.zeros(num_q_heads, nb, nb, dtype=torch.float32, device=q.device)
-    block_r = max(16, per_block)
-    _block_mass_kernel[(nb, num_q_heads)](
+    block_r = max(64, per_block)
+    _block_mass_kernel[(triton.cdiv(first.numel(), block_r), num_q_heads)](
         q, k, first, last, mass,
         scale / stride * _LOG2E, num_tokens, first.numel(), nb,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         GROUP=num_q_heads // k.shape[1], STRIDE=stride, PER_BLOCK=per_block, HEAD_DIM=head_dim,
         BLOCK_R=block_r, BLOCK_C=max(64, per_block), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        NATIVE=q.is_cuda and q.dtype in (torch.float16, torch.bfloat16),
     )
     return mass / mass.sum(dim=-1, keepdim=True)

@@ -1,4 +1,7 @@
-"""block_sparse_attention (torch and Triton-interpreter backends) against the dense fp64 reference."""
+"""block_sparse_attention (torch and Triton backends) against the dense fp64 reference.
+
+Triton runs compiled on CUDA tensors where a GPU exists and under the interpreter on CPU otherwise.
+"""
 
 import os
 import subprocess
@@ -18,8 +21,12 @@ BACKENDS = [
 ]
 
 
-def packed_case(seed, num_tokens, q_heads, kv_heads, head_dim, block_size, keep=0.5, always_kept=True):
-    """Random packed stream with documents not aligned to blocks and a random block mask."""
+def device_for(backend):
+    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+
+
+def packed_case(seed, num_tokens, q_heads, kv_heads, head_dim, block_size, keep=0.5, always_kept=True, device="cpu"):
+    """Random packed stream with documents not aligned to blocks and a random block mask, on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     num_docs = int(torch.randint(1, 5, (), generator=gen))
     cuts = torch.randperm(num_tokens - 1, generator=gen)[: num_docs - 1] + 1
@@ -32,7 +39,7 @@ def packed_case(seed, num_tokens, q_heads, kv_heads, head_dim, block_size, keep=
     mask = torch.rand(q_heads, nb, nb, generator=gen) < keep
     if always_kept:
         mask |= forced_tiles(token_doc_ids(cu_seqlens, num_tokens), cu_seqlens, block_size)
-    return q, k, v, mask, cu_seqlens
+    return tuple(x.to(device) for x in (q, k, v, mask, cu_seqlens))
 
 
 def relative_error(x, ref):
@@ -45,7 +52,7 @@ def check_against_reference(backend, q, k, v, mask, cu, block_size, fwd_tol=1e-5
     ref = reference_block_sparse_attention(q, k, v, mask, cu, block_size=block_size)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert relative_error(out, ref) <= fwd_tol
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype).to(out.device)
     got = torch.autograd.grad(out, (q, k, v), grad)
     want = torch.autograd.grad(ref, (q, k, v), grad.double())
     for name, g, w in zip("qkv", got, want):
@@ -58,21 +65,21 @@ def check_against_reference(backend, q, k, v, mask, cu, block_size, fwd_tol=1e-5
 @pytest.mark.parametrize("seed", range(5))
 def test_matches_reference_fp32(backend, q_heads, kv_heads, seed):
     num_tokens = 150 if backend == "torch" else 72
-    case = packed_case(seed, num_tokens, q_heads, kv_heads, 16, 16)
+    case = packed_case(seed, num_tokens, q_heads, kv_heads, 16, 16, device=device_for(backend))
     check_against_reference(backend, *case, block_size=16, seed=seed)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16)])
 def test_head_dims_64_and_128(backend, head_dim, block_size):
-    case = packed_case(11, 80, 2, 1, head_dim, block_size)
+    case = packed_case(11, 80, 2, 1, head_dim, block_size, device=device_for(backend))
     check_against_reference(backend, *case, block_size=block_size)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_non_contiguous_inputs(backend):
     """Callers pass transposed views of [H, T, D] tensors (the transformers attention interface)."""
-    q, k, v, mask, cu = packed_case(9, 70, 4, 2, 16, 16)
+    q, k, v, mask, cu = packed_case(9, 70, 4, 2, 16, 16, device=device_for(backend))
     q, k, v = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v))
     assert not q.is_contiguous()
     check_against_reference(backend, q, k, v, mask, cu, block_size=16)
@@ -80,7 +87,7 @@ def test_non_contiguous_inputs(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_full_mask_is_causal_attention_within_documents(backend):
-    q, k, v, mask, cu = packed_case(3, 90, 4, 2, 16, 16)
+    q, k, v, mask, cu = packed_case(3, 90, 4, 2, 16, 16, device=device_for(backend))
     mask = torch.ones_like(mask)
     out = block_sparse_attention(q, k, v, mask, cu, block_size=16, backend=backend)
     bounds = cu.tolist()
@@ -92,7 +99,7 @@ def test_full_mask_is_causal_attention_within_documents(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rows_without_allowed_keys_give_zero_not_nan(backend):
-    q, k, v, mask, cu = packed_case(5, 64, 2, 1, 16, 16, keep=0.3, always_kept=False)
+    q, k, v, mask, cu = packed_case(5, 64, 2, 1, 16, 16, keep=0.3, always_kept=False, device=device_for(backend))
     mask[0, 2, :] = False  # every query of block 2, head 0, sees nothing
     check_against_reference(backend, q, k, v, mask, cu, block_size=16)
     q.requires_grad_()
@@ -105,7 +112,7 @@ def test_rows_without_allowed_keys_give_zero_not_nan(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs(backend, dtype):
-    q, k, v, mask, cu = packed_case(7, 64, 4, 2, 16, 16)
+    q, k, v, mask, cu = packed_case(7, 64, 4, 2, 16, 16, device=device_for(backend))
     q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
     out = block_sparse_attention(q, k, v, mask, cu, block_size=16, backend=backend)
     ref = reference_block_sparse_attention(q, k, v, mask, cu, block_size=16)
