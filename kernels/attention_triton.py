@@ -1,9 +1,9 @@
 """Block-sparse attention in Triton: flash-attention style forward and backward over the kept tiles only.
 
 Each program owns a sub-block of queries (forward, dq) or of keys (dk, dv) and walks a CSR list of kept
-tiles: per query block the kept key blocks, and for dk/dv the transposed lists (per key block the query
-blocks that kept it, over every query head of the KV group), so each output is written once without
-atomics. Causal and document masking is applied token by token inside each tile; softmax statistics are
+tiles: per query block the kept key blocks, and for dk/dv the transposed lists (per key block and query
+head the query blocks that kept it; fp32 partials per query head are summed over the KV group), so each
+output is written once without atomics and the gradients are deterministic. Causal and document masking is applied token by token inside each tile; softmax statistics are
 fp32 in base 2, and the log-sum-exp saved by the forward lets the backward recompute probabilities.
 Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (how the tests exercise it).
 """
@@ -138,7 +138,8 @@ def _dkdv_kernel(
 ):
     sub_blocks: tl.constexpr = BLOCK // BLOCK_N
     pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
     kb = pid // sub_blocks
     offs_n = kb * BLOCK + (pid % sub_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -151,29 +152,30 @@ def _dkdv_kernel(
     doc_k = tl.load(DOC + offs_n, mask=n_ok, other=-2)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for head in range(kv_head * GROUP, kv_head * GROUP + GROUP):
-        start = tl.load(COL_PTR + head * NB + kb)
-        end = tl.load(COL_PTR + head * NB + kb + 1)
-        for i in range(start, end):
-            qb = tl.load(ROWS + i)
-            for m0 in range(0, BLOCK, BLOCK_M):
-                offs_m = qb * BLOCK + m0 + tl.arange(0, BLOCK_M)
-                m_ok = offs_m < T
-                q_ptrs = offs_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
-                q_mask = m_ok[:, None] & d_ok[None, :]
-                q = _load(Q + q_ptrs, q_mask, UPCAST)
-                do = _load(DO + q_ptrs, q_mask, UPCAST)
-                doc_q = tl.load(DOC + offs_m, mask=m_ok, other=-1)
-                lse = tl.load(LSE + head * T + offs_m, mask=m_ok, other=float("inf"))
-                lse = tl.where(lse == float("-inf"), float("inf"), lse)
-                delta = tl.load(DELTA + head * T + offs_m, mask=m_ok, other=0.0)
-                p = tl.exp2(_scores(q, k, offs_m, offs_n, doc_q, doc_k, qk_scale, PRECISION) - lse[:, None])
-                dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-                dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-                ds = p * (dp - delta[:, None])
-                dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
-    tl.store(DK + kv_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    start = tl.load(COL_PTR + head * NB + kb)
+    end = tl.load(COL_PTR + head * NB + kb + 1)
+    for i in range(start, end):
+        qb = tl.load(ROWS + i)
+        for m0 in range(0, BLOCK, BLOCK_M):
+            offs_m = qb * BLOCK + m0 + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < T
+            q_ptrs = offs_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+            q_mask = m_ok[:, None] & d_ok[None, :]
+            q = _load(Q + q_ptrs, q_mask, UPCAST)
+            do = _load(DO + q_ptrs, q_mask, UPCAST)
+            doc_q = tl.load(DOC + offs_m, mask=m_ok, other=-1)
+            lse = tl.load(LSE + head * T + offs_m, mask=m_ok, other=float("inf"))
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)
+            delta = tl.load(DELTA + head * T + offs_m, mask=m_ok, other=0.0)
+            p = tl.exp2(_scores(q, k, offs_m, offs_n, doc_q, doc_k, qk_scale, PRECISION) - lse[:, None])
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
+    # Per query head partials ([T, Hq, D] fp32, q's layout), summed over each KV group afterwards.
+    part_ptrs = offs_n[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    tl.store(DK + part_ptrs, dk * scale, mask=kv_mask)
+    tl.store(DV + part_ptrs, dv, mask=kv_mask)
 
 def _launch_meta(q: torch.Tensor, layout: TileLayout) -> dict:
     tile = min(layout.block_size, 64)
@@ -229,7 +231,7 @@ def backward(
     num_tokens, num_q_heads, _ = q.shape
     delta = (out.float() * grad_out.float()).sum(dim=-1).transpose(0, 1).contiguous()  # [Hq, T]
     doc = layout.doc.to(torch.int32)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq = torch.empty_like(q)
     meta = _launch_meta(q, layout)
     common = (scale * _LOG2E, scale, num_tokens, layout.num_blocks, *_strides(q, k))
     grid_q = (layout.num_blocks * (layout.block_size // meta["BLOCK_M"]), num_q_heads)
@@ -238,9 +240,16 @@ def backward(
         *common, **meta,
     )
     col_ptr, rows = layout.transposed()
-    grid_kv = (layout.num_blocks * (layout.block_size // meta["BLOCK_N"]), k.shape[1])
+    # One program per (key sub-block, query head): a KV head's work split over its group keeps the
+    # always-kept first block of a long document (visited by every query block) from serialising.
+    dk_part = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dv_part = torch.empty_like(dk_part)
+    grid_kv = (layout.num_blocks * (layout.block_size // meta["BLOCK_N"]), num_q_heads)
     _dkdv_kernel[grid_kv](
-        q, k, v, grad_out, dk, dv, lse, delta, doc, col_ptr.to(torch.int32), rows.to(torch.int32),
+        q, k, v, grad_out, dk_part, dv_part, lse, delta, doc, col_ptr.to(torch.int32), rows.to(torch.int32),
         *common, **meta,
     )
+    group_shape = (num_tokens, k.shape[1], layout.group_size, q.shape[-1])
+    dk = dk_part.view(group_shape).sum(dim=2).to(k.dtype)
+    dv = dv_part.view(group_shape).sum(dim=2).to(v.dtype)
     return dq, dk, dv

@@ -302,7 +302,8 @@ def sparsebalance_attention(
         raise ValueError(f"packed attention expects one packed stream per call, got batch size {query.shape[0]}")
     if attention_mask is not None:
         raise ValueError("packed attention applies document and causal masking itself; pass no attention_mask")
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    # Under autocast the rotary embedding returns fp32 q and k beside a half-precision v: attend in v's dtype.
+    q, k, v = (x[0].transpose(0, 1).to(value.dtype) for x in (query, key, value))
     layer = module.layer_idx
     if sb_context.config.backend == "dense":
         def attend(q, k, v):

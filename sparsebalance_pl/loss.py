@@ -41,7 +41,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                         hidden.dtype
                     )
                 if need_weight_grad:
-                    grad_weight += grad_logits.T @ h.float()
+                    grad_weight += (grad_logits.to(compute_dtype).T @ h).float()  # tensor cores under autocast
         ctx.save_for_backward(
             grad_hidden if need_hidden_grad else None, grad_weight if need_weight_grad else None
         )
