@@ -146,6 +146,7 @@ class SparseQwen(L.LightningModule):
         self.max_nonfinite_steps = max_nonfinite_steps
         self.nonfinite_steps = 0
         self.skip_update = False
+        self._batch_start = 0.0
         self.density_estimator = DensityEstimator(block_size=self.attention_config.block_size)
         self.net: PackedCausalLM | None = None
         self.val_loss = TokenMeanLoss()
@@ -245,6 +246,16 @@ class SparseQwen(L.LightningModule):
         else:
             self._flag_nonfinite(batch_idx)
         return loss
+
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
+        """Whole-batch wall time (forward, backward, optimiser step) and the global token throughput."""
+        seconds = time.perf_counter() - self._batch_start
+        self.log("train/step_s", seconds, batch_size=1)
+        tokens_per_s = torch.tensor(batch["input_ids"].shape[1] / seconds, device=self.device)
+        self.log("train/tokens_per_s", tokens_per_s, batch_size=1, sync_dist=True, reduce_fx="sum")
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         """The usual step, unless a loss of this step was not finite: then the gradients are dropped."""

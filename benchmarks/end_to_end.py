@@ -1,0 +1,243 @@
+"""SparseBalance against its baselines in real multi-process training (issue 7).
+
+Every variant is a real ``python main.py fit`` run of the demo configuration (2 FSDP2 ranks on the CPU here;
+``--devices``/``--accelerator`` for GPUs), with the same model, data, seed and number of steps:
+
+    dense            dense attention, token first-fit packing
+    static           static sparse attention, first-fit packing (the baseline)
+    sab              static sparse, sparsity-aware batching
+    dst              sparse with dynamic sparsity tuning, first-fit packing
+    sparsebalance    SAB + DST
+
+Static variants run the DST callback with p = 0, so it only measures: every variant logs the same
+per-rank attention times (collective-free), from which measured imbalance and balance efficiency come.
+All variants start from ``--init`` (a Hugging Face directory, e.g. ``main.py export`` of a demo checkpoint
+trained until its attention is sharp) or from random initialisation (``--init none``); the regime line
+gives the baseline's mean density and recall at the base budget (DESIGN.md 4.4). Per variant: median step
+time after ``--warmup`` steps, global tokens per second, measured imbalance, balance efficiency, final
+training loss (mean of the last 5 steps) and validation loss, mean exact recall (sampled rows). Ratios are
+against the static baseline of the same invocation. Writes ``results.json``, ``results.md`` and PNG plots
+to ``--out``. Timings on a shared machine drift: ``--rounds`` repeats the whole set of variants in turn.
+
+    python benchmarks/end_to_end.py --init outputs/sharp/hf --steps 60 --out outputs/e2e_sharp
+    python benchmarks/end_to_end.py --init none --steps 30 --out outputs/e2e_random
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import yaml  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+from sparsebalance_pl.balance import balance_efficiency, imbalance  # noqa: E402
+
+# name: (attention backend, batching, DST p or None for no tuning)
+VARIANTS = {
+    "dense": ("dense", "first_fit", 0.0),
+    "static": ("sparse", "first_fit", 0.0),
+    "sab": ("sparse", "sab", 0.0),
+    "dst": ("sparse", "first_fit", None),
+    "sparsebalance": ("sparse", "sab", None),
+}
+BASELINE = "static"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.yaml")
+    parser.add_argument("--init", default="none", help="Hugging Face model directory, or 'none' for random init")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=5, help="first steps left out of step-time medians")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--p", type=float, default=0.1, help="DST bound around the base budget")
+    parser.add_argument("--anchor", default="mean")
+    parser.add_argument("--recall-rows", type=int, default=64)
+    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--devices", type=int, default=None, help="default: the configuration's")
+    parser.add_argument("--accelerator", default=None, help="default: the configuration's")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds per variant run")
+    parser.add_argument("--out", type=Path, default=Path("outputs/e2e"))
+    return parser.parse_args(argv)
+
+
+def variant_config(base: dict, name: str, args: argparse.Namespace, run_dir: Path) -> dict:
+    """The demo configuration changed only where the variant differs, plus per-step logging."""
+    backend, batching, p = VARIANTS[name]
+    cfg = json.loads(json.dumps(base))  # deep copy
+    trainer = cfg["trainer"]
+    trainer.update(
+        max_steps=args.steps, log_every_n_steps=1, val_check_interval=args.steps, enable_checkpointing=False,
+        enable_progress_bar=False, default_root_dir=str(run_dir),
+    )
+    if args.devices is not None:
+        trainer["devices"] = args.devices
+    if args.accelerator is not None:
+        trainer["accelerator"] = args.accelerator
+    trainer["logger"] = {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": str(run_dir), "name": "logs", "version": 0},
+    }
+    dst = {"class_path": "sparsebalance_pl.callbacks.DynamicSparsityTuning",
+           "init_args": {"anchor": args.anchor, "p": args.p if p is None else p}}
+    trainer["callbacks"] = [dst]
+    model = cfg["model"]
+    model["attention"]["backend"] = backend
+    model["attention"]["recall_rows"] = args.recall_rows if backend == "sparse" else 0
+    if args.init != "none":
+        model["model"] = {"pretrained_path": str(Path(args.init).resolve())}
+    cfg["data"]["batching"] = batching
+    return cfg
+
+
+def run_variant(base: dict, name: str, args: argparse.Namespace, round_index: int) -> list[dict]:
+    run_dir = (args.out / f"{name}-round{round_index}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(variant_config(base, name, args, run_dir), sort_keys=False))
+    started = time.perf_counter()
+    with open(run_dir / "stdout.log", "w") as log:
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "main.py"), "fit", "--config", str(config_path)],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
+        )
+    if result.returncode != 0:
+        raise SystemExit(f"variant {name} failed (exit {result.returncode}); see {run_dir / 'stdout.log'}")
+    print(f"  {name}: {time.perf_counter() - started:.0f} s", flush=True)
+    return read_metrics(run_dir / "logs" / "version_0" / "metrics.csv")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Rows of the CSV log with numbers parsed and empty cells dropped."""
+    with open(path) as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def per_step(rows: list[dict], key: str) -> dict[int, float]:
+    return {int(r["step"]): r[key] for r in rows if key in r and "step" in r}
+
+
+def summarise(rows: list[dict], warmup: int) -> dict:
+    step_s = per_step(rows, "train/step_s")
+    timed = [t for s, t in step_s.items() if s >= warmup]
+    rank_times = [per_step(rows, f"latency/rank{r}/measured_s") for r in range(8)]
+    rank_times = [t for t in rank_times if t]
+    steps = sorted(set.intersection(*(set(t) for t in rank_times))) if rank_times else []
+    measured = [[t[s] for t in rank_times] for s in steps if s >= warmup]
+    losses = [v for _, v in sorted(per_step(rows, "train/loss").items())]
+    val = [r["val/loss"] for r in rows if "val/loss" in r]
+    recalls = [v for r in range(len(rank_times)) for v in per_step(rows, f"dst/rank{r}/recall").values()]
+    densities = [v for r in range(len(rank_times)) for v in per_step(rows, f"dst/rank{r}/density").values()]
+
+    def mean(values):
+        return statistics.fmean(values) if values else math.nan
+
+    return {
+        "step_s": statistics.median(timed),
+        "tokens_per_s": statistics.median(v for s, v in per_step(rows, "train/tokens_per_s").items() if s >= warmup),
+        "measured_imbalance": statistics.median(imbalance(m) for m in measured) if measured else math.nan,
+        "balance_efficiency": balance_efficiency(measured) if measured else math.nan,
+        "train_loss": mean(losses[-5:]),
+        "val_loss": val[-1] if val else math.nan,
+        "recall": mean(recalls),
+        "density": mean(densities),
+        "curves": {
+            "step_s": sorted(step_s.items()),
+            "imbalance": [(s, imbalance([t[s] for t in rank_times])) for s in steps],
+            "loss": sorted(per_step(rows, "train/loss").items()),
+        },
+    }
+
+
+def merge_rounds(rounds: list[list[dict]], warmup: int) -> dict:
+    """One summary over all rounds of a variant (medians over the pooled steps, curves of the first round)."""
+    summaries = [summarise(r, warmup) for r in rounds]
+    merged = {key: statistics.median(s[key] for s in summaries) for key in summaries[0] if key != "curves"}
+    merged["curves"] = summaries[0]["curves"]
+    return merged
+
+
+def markdown_table(results: dict, regime: str, args: argparse.Namespace) -> str:
+    base = results.get(BASELINE)
+    lines = [
+        f"Regime: {regime}. {args.steps} steps, median step time after {args.warmup} warm-up steps, "
+        f"{args.rounds} round(s); ratios against `{BASELINE}` (static sparse, first-fit).",
+        "",
+        "| variant | step s | speed-up | tokens/s | imbalance | balance eff. | train loss | val loss | recall | density |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    def cell(value: float, digits: int) -> str:
+        return "n/a" if math.isnan(value) else f"{value:.{digits}f}"  # dense attention reports no sparsity
+
+    for name, r in results.items():
+        speedup = base["step_s"] / r["step_s"] if base else math.nan
+        lines.append(
+            f"| {name} | {r['step_s']:.3f} | {speedup:.2f}x | {r['tokens_per_s']:.0f} "
+            f"| {cell(r['measured_imbalance'], 3)} | {cell(r['balance_efficiency'], 3)} | {r['train_loss']:.4f} "
+            f"| {cell(r['val_loss'], 4)} | {cell(r['recall'], 3)} | {cell(r['density'], 3)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, out: Path, title: str) -> list[Path]:
+    panels = [
+        ("step_s", "step time (s)", "Wall time per training step"),
+        ("imbalance", "measured imbalance (max / mean rank attention time)", "Imbalance per step"),
+        ("loss", "training loss (nats / token)", "Training loss"),
+    ]
+    paths = []
+    for key, ylabel, heading in panels:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, r in results.items():
+            curve = r["curves"][key]
+            if curve:
+                ax.plot([s for s, _ in curve], [v for _, v in curve], label=name, lw=1.2)
+        ax.set(xlabel="optimiser step", ylabel=ylabel, title=f"{heading} ({title})")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = out / f"{key}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = yaml.safe_load(args.config.read_text())
+    rounds: dict[str, list] = {name: [] for name in args.variants}
+    for round_index in range(args.rounds):
+        print(f"round {round_index + 1}/{args.rounds}", flush=True)
+        for name in args.variants:
+            rounds[name].append(run_variant(base, name, args, round_index))
+    results = {name: merge_rounds(r, args.warmup) for name, r in rounds.items()}
+    reference = results.get(BASELINE) or next(iter(results.values()))
+    init = "random initialisation" if args.init == "none" else f"from {args.init}"
+    regime = (f"{init}; baseline mean density {reference['density']:.3f}, exact recall {reference['recall']:.3f} "
+              f"at tau {base['model']['attention']['tau']}")
+    table = markdown_table(results, regime, args)
+    print(table)
+    (args.out / "results.md").write_text(table)
+    (args.out / "results.json").write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()}, "regime": regime, "results": results}, indent=1))
+    for path in plot(results, args.out, init):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Turn a training checkpoint into a local Hugging Face model directory (config.json plus safetensors).
+
+Training saves either one file or, under FSDP2, a distributed-checkpoint folder; both hold the module's
+hyperparameters and the weights under ``net.hf.``. The exported directory is what ``model.pretrained_path``
+reads, so a trained model can seed new runs (the benchmarks start every variant from one) or be loaded by
+transformers directly (its attention implementation is set to ``sdpa``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl.model import ModelConfig
+
+_WEIGHTS = "net.hf."
+
+
+def read_checkpoint(ckpt_path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(module hyperparameters, Hugging Face state dict) of a Lightning checkpoint file or DCP folder."""
+    path = Path(ckpt_path)
+    if path.is_dir():
+        if not (path / "meta.pt").is_file() or not (path / ".metadata").is_file():
+            raise ConfigError(f"{path} is a folder but not a distributed checkpoint (no meta.pt or .metadata)")
+        from torch.distributed import checkpoint as dcp
+
+        meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
+        reader = dcp.FileSystemReader(str(path))
+        stored = reader.read_metadata().state_dict_metadata
+        prefix = "state_dict." + _WEIGHTS
+        state = {
+            key: torch.empty(md.size, dtype=md.properties.dtype)
+            for key, md in stored.items()
+            if key.startswith(prefix)
+        }
+        dcp.load(state, storage_reader=reader, no_dist=True)
+        weights = {key[len(prefix):]: value for key, value in state.items()}
+    elif path.is_file():
+        meta = torch.load(path, map_location="cpu", weights_only=False)
+        weights = {k[len(_WEIGHTS):]: v for k, v in meta.get("state_dict", {}).items() if k.startswith(_WEIGHTS)}
+    else:
+        raise ConfigError(f"checkpoint {path} does not exist")
+    if not weights or "hyper_parameters" not in meta:
+        raise ConfigError(f"{path} holds no SparseQwen weights and hyperparameters (is it a SparseQwen checkpoint?)")
+    return meta["hyper_parameters"], weights
+
+
+def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
+    """Writes the checkpoint's model as a Hugging Face directory; returns the directory."""
+    hparams, weights = read_checkpoint(ckpt_path)
+    model_cfg = hparams["model"]
+    if not isinstance(model_cfg, ModelConfig):
+        model_cfg = ModelConfig(**{k: v for k, v in model_cfg.items() if not k.startswith("_")})
+    model = model_cfg.build("sdpa")
+    model.load_state_dict(weights, strict=True)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str]) -> Path:
+    """``main.py export``: a training checkpoint as a Hugging Face directory for ``model.pretrained_path``."""
+    parser = argparse.ArgumentParser(prog="main.py export", description=main.__doc__)
+    parser.add_argument("--ckpt_path", required=True, help="a checkpoint file or distributed-checkpoint folder")
+    parser.add_argument("--out_dir", required=True, help="the Hugging Face model directory to write")
+    parsed = parser.parse_args(argv)
+    out = export_checkpoint(parsed.ckpt_path, parsed.out_dir)
+    print(f"model written to {out} (use it with model.model.pretrained_path={out})")
+    return out

@@ -1,0 +1,72 @@
+"""A training checkpoint (single file or FSDP2's distributed-checkpoint folder) exported as a Hugging Face
+directory gives the same model, loadable through ``model.pretrained_path`` and by transformers itself."""
+
+import pytest
+import torch
+from torch.distributed import checkpoint as dcp
+from transformers import Qwen2ForCausalLM
+
+from sparsebalance_pl.attention import AttentionConfig
+from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl.export import export_checkpoint
+from sparsebalance_pl.model import ModelConfig
+from sparsebalance_pl.module import SparseQwen
+
+TINY = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
+
+
+def _trained_like_module() -> SparseQwen:
+    torch.manual_seed(0)
+    module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY), attention=AttentionConfig(backend="dense"))
+    module.configure_model()
+    with torch.no_grad():  # move away from the initialisation so a silent re-initialisation would show
+        for p in module.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return module
+
+
+def _save_single_file(module: SparseQwen, path) -> None:
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+
+
+def _save_distributed(module: SparseQwen, path) -> None:
+    dcp.save({"state_dict": module.state_dict()}, checkpoint_id=str(path), no_dist=True)
+    torch.save({"hyper_parameters": dict(module.hparams), "global_step": 7}, path / "meta.pt")
+
+
+@pytest.mark.parametrize("save", [_save_single_file, _save_distributed])
+def test_exported_model_equals_the_trained_one(tmp_path, save):
+    module = _trained_like_module()
+    ckpt = tmp_path / "ckpt"
+    save(module, ckpt)
+    out = export_checkpoint(ckpt, tmp_path / "hf")
+    ids = torch.randint(0, module.dims.vocab_size, (1, 40))
+    reloaded = SparseQwen(model=ModelConfig(pretrained_path=str(out)), attention=AttentionConfig(backend="dense"))
+    reloaded.configure_model()
+    plain = Qwen2ForCausalLM.from_pretrained(out, local_files_only=True)
+    with torch.no_grad():
+        want = plain(input_ids=ids).logits
+        ours = _logits(module, ids)
+        assert torch.allclose(ours, want, atol=1e-5)
+        assert torch.allclose(_logits(reloaded, ids), want, atol=1e-5)
+    assert reloaded.dims == module.dims
+
+
+def _logits(module: SparseQwen, ids: torch.Tensor) -> torch.Tensor:
+    cu = torch.tensor([0, ids.shape[1]], dtype=torch.int32)
+    hidden = module.net.hf.model(
+        input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False,
+        sb_context=module.attention_context(cu),
+    ).last_hidden_state
+    return module.net.hf.lm_head(hidden)
+
+
+def test_bad_checkpoint_paths_are_reported(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        export_checkpoint(tmp_path / "missing.ckpt", tmp_path / "hf")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ConfigError, match="not a distributed checkpoint"):
+        export_checkpoint(tmp_path / "folder", tmp_path / "hf")
+    torch.save({"state_dict": {}}, tmp_path / "other.ckpt")
+    with pytest.raises(ConfigError, match="no SparseQwen weights"):
+        export_checkpoint(tmp_path / "other.ckpt", tmp_path / "hf")
