@@ -10,7 +10,7 @@ static, median measured imbalance of the attention calls, and mean exact recall 
 The regime line gives the mean density and recall at the base budget (DESIGN.md 4.4). Timings on a shared
 CPU are noisy: read the ratios, not the absolute times.
 
-    python benchmarks/dst.py [--tokens 4096] [--short-docs 8] [--steps 8] [--warmup 3] [--rounds 1]
+    python benchmarks/dst.py [--tokens 4096] [--short-docs 8] [--steps 8] [--warmup 3] [--rounds 1] [--init DIR]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def workload(rank: int, tokens: int, short_docs: int, vocab: int) -> dict:
 def run_variant(anchor: str, p: float, args: argparse.Namespace) -> list[dict[str, float]]:
     torch.manual_seed(0)
     module = SparseQwen(
-        model=ModelConfig(preset="demo"),
+        model=ModelConfig(preset="demo") if args.init == "none" else ModelConfig(pretrained_path=args.init),
         attention=AttentionConfig(tau=0.9, recall_rows=64),
         optim=OptimConfig(lr=1e-3, warmup_steps=0),
     )
@@ -99,6 +99,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--init", default="none",
+        help="Hugging Face directory to start from (the sharp regime, e.g. `main.py export` of a trained demo "
+        "checkpoint), or 'none' for random initialisation (the near-uniform regime)",
+    )
     parser.add_argument("--only", nargs="*", help="variants as anchor:p, e.g. static:0 mean:0.1")
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_dst.json"))
     args = parser.parse_args()
@@ -112,7 +117,7 @@ def main() -> None:
     results = {name: summarise(r) for name, r in rows.items()}
     static = results.get("static p=0")
     if static:
-        print(f"regime (static, base budget tau=0.9): mean density rank0 {static['density0']:.3f} rank1 "
+        print(f"regime ({'random initialisation' if args.init == 'none' else args.init}; static, base budget tau=0.9): mean density rank0 {static['density0']:.3f} rank1 "
               f"{static['density1']:.3f}; exact recall rank0 {static['recall0']:.3f} rank1 {static['recall1']:.3f}")
     print(f"{'variant':<16}{'step s':>8}{'static/x':>9}{'imbal':>7}{'tau0':>6}{'tau1':>6}{'rec0':>7}{'rec1':>7}"
           f"{'tok-w rec':>10}")

@@ -1,0 +1,102 @@
+"""Whole-model forward+backward time with dense against sparse attention, on one packed micro-batch.
+
+Answers "is the model faster with the sparse kernels at this length?": the same SparseQwen (demo preset,
+a named preset, or a trained model via ``--init``) and the same tokens, dense attention against sparse
+attention at the given budgets (tau, optionally a density cap), variants alternated repetition by
+repetition, medians and ratios to dense printed with the density each budget selected. Random tokens keep
+the attention pattern of the model's weights: a randomly initialised model attends near-uniformly, a
+trained one sharply (DESIGN.md 4.4), which is what decides the selected density.
+
+    python benchmarks/model_step.py --lengths 4096                       # the demo's longest micro-batch
+    python benchmarks/model_step.py --init outputs/sharp/hf --lengths 4096
+    python benchmarks/model_step.py --preset qwen2.5-0.5b --lengths 32768 --dtype bf16   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from sparsebalance_pl.attention import AttentionConfig  # noqa: E402
+from sparsebalance_pl.datamodules.packing import collate_packed  # noqa: E402
+from sparsebalance_pl.model import ModelConfig  # noqa: E402
+from sparsebalance_pl.module import SparseQwen  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="demo")
+    parser.add_argument("--init", default=None, help="a Hugging Face model directory (overrides --preset)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096], help="document lengths of the batch")
+    parser.add_argument("--taus", type=float, nargs="+", default=[0.9, 0.7])
+    parser.add_argument("--max-densities", type=float, nargs="*", default=[], help="extra variants: tau 1 + cap")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None)
+    return parser.parse_args(argv)
+
+
+def build(args: argparse.Namespace, attention: AttentionConfig) -> SparseQwen:
+    torch.manual_seed(0)
+    model = ModelConfig(pretrained_path=args.init) if args.init else ModelConfig(preset=args.preset)
+    module = SparseQwen(model=model, attention=attention)
+    module.configure_model()
+    return module.to(device=args.device, dtype=DTYPES[args.dtype])
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    variants = {"dense": AttentionConfig(backend="dense")}
+    variants.update({f"sparse tau={t:g}": AttentionConfig(tau=t) for t in args.taus})
+    variants.update({f"sparse cap={d:g}": AttentionConfig(tau=1.0, max_density=d) for d in args.max_densities})
+    modules = {name: build(args, cfg) for name, cfg in variants.items()}
+    vocab = next(iter(modules.values())).dims.vocab_size
+    rng = np.random.default_rng(0)
+    batch = collate_packed([{"tokens": rng.integers(0, vocab, n)} for n in args.lengths])
+    batch = {k: v.to(args.device) for k, v in batch.items()}
+    cuda = torch.device(args.device).type == "cuda"
+
+    def step(module: SparseQwen) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss, tokens = module(batch)
+        (loss / tokens).backward()
+        if cuda:
+            torch.cuda.synchronize()
+        module.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    density: dict[str, float | None] = {}
+    for rep in range(args.reps + 1):  # the first round warms up (and compiles Triton kernels)
+        for name, module in modules.items():
+            seconds = step(module)
+            if rep:
+                times[name].append(seconds)
+            density[name] = module.last_context.mean_density()
+    base = statistics.median(times["dense"])
+    where = args.init or f"preset {args.preset}"
+    print(f"{where}, documents {args.lengths}, {args.dtype} on {args.device}, threads {torch.get_num_threads()}, "
+          f"median of {args.reps}")
+    print(f"{'variant':<20}{'density':>9}{'ms':>10}{'/ dense':>9}")
+    for name, t in times.items():
+        d = density[name]
+        med = statistics.median(t)
+        print(f"{name:<20}{1.0 if d is None else d:>9.3f}{med * 1e3:>10.1f}{med / base:>9.3f}")
+
+
+if __name__ == "__main__":
+    main()
