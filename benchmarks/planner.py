@@ -1,10 +1,15 @@
 """Simulate sparsity-aware batching on real document-length distributions and compare it with baselines.
 
-For each distribution, rank count, per-rank capacity and cost model, global batches are cut from shuffled
-documents (epochs follow each other until ``--steps`` batches) and every method splits the same batches
-over the ranks; our planner with deferral cuts its own. Every method is scored with the same evaluation
-cost model: balance efficiency (sum over steps of mean rank time / sum of max, DESIGN.md 6), largest
-tokens on a rank over the capacity (> 1 overflows memory), and planning time per global batch.
+For each distribution, rank count, per-rank capacity and cost model, our planner without deferral cuts
+global batches from shuffled documents (epochs follow each other until ``--steps`` batches) and every
+method splits exactly those batches over the ranks: the same documents per step for all, so the columns
+compare partitions. Our planner cuts a batch short of the token budget when the capacity would keep it
+from balancing (the documents left out open the next batch), which the ``fill`` column shows as mean
+tokens per batch over the budget; the baselines get the same shorter batches. Our planner with deferral
+cuts its own batches from the same stream (outliers move to later steps by design; its own fill is shown).
+Every method is scored with the same evaluation cost model: balance efficiency (sum over steps of mean
+rank time / sum of max, DESIGN.md 6), largest tokens on a rank over the capacity (> 1 overflows memory:
+the baselines ignore the capacity), and planning time per global batch.
 
 Cost models: ``sparsebalance_pl.latency.LatencyModel.analytic`` for Qwen2.5-0.5B (block 64, stride 16)
 at density 1 ("dense") or at the length prior of ``DensityEstimator`` ("sparse"). The planner is given
@@ -27,7 +32,7 @@ import numpy as np
 
 from sparsebalance_pl.datamodules.density import DensityEstimator
 from sparsebalance_pl.datamodules.partition import karmarkar_karp, partition
-from sparsebalance_pl.datamodules.planner import GlobalBatch, PlannerConfig, plan_epoch
+from sparsebalance_pl.datamodules.planner import GlobalBatch, PlannerConfig, balance_efficiency, plan_epoch
 from sparsebalance_pl.latency import LatencyModel
 
 QWEN25_05B = {
@@ -102,17 +107,22 @@ class Score:
         self.batches += 1
 
     def cell(self) -> str:
-        return f"{self.mean / self.slowest:.3f} {self.overflow:4.2f}x {1e3 * self.seconds / self.batches:5.1f}ms"
+        return f"{self.mean / self.slowest:.4f} {self.overflow:4.2f}x {1e3 * self.seconds / self.batches:5.1f}ms"
 
 
-def run_row(lengths: np.ndarray, cost: CostFn, ranks: int, capacity: int, steps: int, window: int) -> list[Score]:
+def run_row(
+    lengths: np.ndarray, cost: CostFn, ranks: int, capacity: int, steps: int, window: int
+) -> tuple[list[Score], list[float]]:
+    """Scores of the baselines, ours and ours with deferral, and the mean fill of our two batch streams."""
     methods: list[Method] = [round_robin, token_first_fit, verl_kk, lambda t, r, c: karmarkar_karp(cost(t), r)]
     scores = [Score() for _ in range(len(methods) + 2)]
+    fills: list[list[float]] = [[], []]
     config = PlannerConfig(world_size=ranks, tokens_per_rank=capacity, oversize="split")
     start = time.perf_counter()
     for batch in segment_batches(lengths, cost, config, steps):
         ours_seconds = time.perf_counter() - start
         scores[-2].add(batch.costs[0], batch.tokens[0], capacity, ours_seconds)
+        fills[0].append(batch.tokens.sum() / config.budget)
         tokens = batch_tokens(batch)
         costs = cost(tokens.astype(np.float64))
         for method, score in zip(methods, scores):
@@ -125,29 +135,41 @@ def run_row(lengths: np.ndarray, cost: CostFn, ranks: int, capacity: int, steps:
     start = time.perf_counter()
     for batch in segment_batches(lengths, cost, deferring, steps):
         scores[-1].add(batch.costs[0], batch.tokens[0], capacity, time.perf_counter() - start)
+        fills[1].append(batch.tokens.sum() / deferring.budget)
         start = time.perf_counter()
-    return scores
+    return scores, [float(np.mean(f)) for f in fills]
 
 
-def time_large_batch(lengths: np.ndarray, cost: CostFn, docs: int = 8192, ranks: int = 64, repeats: int = 5) -> str:
-    """Median partition time of one global batch of ``docs`` documents, filled to 99% of the capacity."""
+def time_large_batch(lengths: np.ndarray, models: dict[str, CostFn], docs: int = 8192, ranks: int = 64) -> list[str]:
+    """Median time (of 5) to partition, and to plan (planner step: cut, partition, rebalance), one global
+    batch of ``docs`` documents filled to 99% of ``ranks`` ranks' capacity, for each cost model."""
     sample = np.random.default_rng(0).choice(lengths, docs).astype(np.int64)
     capacity = int(np.ceil(max(sample.sum() / ranks / 0.99, sample.max())))
-    costs = cost(sample.astype(np.float64))
-    timings = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        parts = partition(costs, ranks, tokens=sample, capacity=capacity)
-        timings.append(time.perf_counter() - tic)
-    slowest, mean = max(costs[p].sum() for p in parts), costs.sum() / ranks
+    config = PlannerConfig(world_size=ranks, tokens_per_rank=capacity)
+    lines = []
+    for name, cost in models.items():
+        costs = cost(sample.astype(np.float64))
+        partition_s, plan_s = [], []
+        for _ in range(5):
+            tic = time.perf_counter()
+            parts = partition(costs, ranks, tokens=sample, capacity=capacity)
+            partition_s.append(time.perf_counter() - tic)
+            tic = time.perf_counter()
+            batch = next(plan_epoch(sample, cost, config, 0))
+            plan_s.append(time.perf_counter() - tic)
+        slowest, mean = max(costs[p].sum() for p in parts), costs.sum() / ranks
+        planned = sum(len(micro) for rank in batch.micro_batches for micro in rank)
+        lines.append(
+            f"{docs} documents over {ranks} ranks (capacity {capacity}, 99% full), {name}: partition median "
+            f"{1e3 * np.median(partition_s):.1f} ms (max/mean {slowest / mean:.4f}, bound "
+            f"{max(mean, costs.max()) / mean:.4f}); planner step median {1e3 * np.median(plan_s):.1f} ms "
+            f"({planned} documents kept in the batch, max/mean {1 / balance_efficiency([batch]):.4f})"
+        )
     tic = time.perf_counter()
-    karmarkar_karp(costs, ranks)
-    kk = time.perf_counter() - tic
-    return (
-        f"partition of {docs} documents over {ranks} ranks (capacity {capacity}, 99% full): "
-        f"median {1e3 * np.median(timings):.1f} ms, max/mean {slowest / mean:.4f}; "
-        f"Karmarkar-Karp (pure Python, no capacity) {1e3 * kk:.0f} ms"
-    )
+    karmarkar_karp(models["dense"](sample.astype(np.float64)), ranks)
+    kk_ms = 1e3 * (time.perf_counter() - tic)
+    lines.append(f"Karmarkar-Karp (pure Python, no capacity) on the same batch: {kk_ms:.0f} ms")
+    return lines
 
 
 def main() -> None:
@@ -162,16 +184,18 @@ def main() -> None:
 
     models = cost_models()
     names = ["round-robin", "token-first-fit", "kk-verl-cost", "kk-eval-cost", "ours", f"ours+defer{args.window}"]
-    print("cell = balance efficiency, max tokens per rank / capacity, planning time per global batch")
-    print(f"{'data':8} {'ranks':>5} {'cap':>6} {'cost':6} " + " ".join(f"{n:>24}" for n in names))
+    print("cell = balance efficiency, max tokens per rank / capacity, planning time per global batch;")
+    print("fill = mean tokens per global batch / budget, of our batches (all but the last column) and ours+defer")
+    print(f"{'data':8} {'ranks':>5} {'cap':>6} {'cost':6} " + " ".join(f"{n:>25}" for n in names) + "        fill")
     for source in ("wlbllm", "prolong"):
         lengths = np.asarray(json.loads((args.data / f"doclens_{source}.json").read_text()), dtype=np.int64)
         for ranks, capacity, (model, cost) in itertools.product(args.ranks, args.capacities, models.items()):
-            scores = run_row(lengths, cost, ranks, capacity, args.steps, args.window)
+            scores, fills = run_row(lengths, cost, ranks, capacity, args.steps, args.window)
             head = f"{source:8} {ranks:5d} {capacity // 1024:5d}K {model:6}"
-            print(head + " " + " ".join(f"{s.cell():>24}" for s in scores), flush=True)
+            cells = " ".join(f"{s.cell():>25}" for s in scores)
+            print(f"{head} {cells} {fills[0]:.3f}/{fills[1]:.3f}", flush=True)
     wlb = np.asarray(json.loads((args.data / "doclens_wlbllm.json").read_text()), dtype=np.int64)
-    print(time_large_batch(wlb, models["dense"]))
+    print("\n".join(time_large_batch(wlb, models)))
 
 
 if __name__ == "__main__":

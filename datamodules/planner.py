@@ -3,14 +3,18 @@
 Every rank computes the same plan from (seed, epoch, document lengths, costs) without talking: documents
 are permuted by (seed, epoch), global batches are cut from the stream by a token budget, and each global
 batch is split into ``world_size * micro_batches`` micro-batches of at most ``capacity`` tokens that
-minimise the largest predicted time (``partition``).
+minimise the largest predicted time (``partition``). A full batch can be impossible to balance under the
+capacity (slots full of cheap segments cannot take on more cost, and a costly segment's slot should hold
+little else), so the budget leaves out the room such slots cannot use and the last segments go back to
+the stream when that improves the balance: the next step takes them at less cost in time than the
+imbalance they would cause.
 
 Within one step, balance is capped by the costliest document. With ``defer_window = k > 0`` an outlier
-(a segment whose micro-batch is bound to cost more than a typical one over ``defer_target``) waits in a
-queue for at most k steps and is released with other outliers of similar cost once together they balance
-a step (or at its deadline); the last steps of the epoch flush the queue, so every document is still used
-exactly once per epoch. A global batch with fewer segments than micro-batches (only possible at the end
-of an epoch) leaves some micro-batches empty.
+(a segment whose micro-batch is bound to cost more than a typical full one) waits in a queue for at most
+k steps and is released with other outliers of similar cost once together they balance a step (or at its
+deadline); the last steps of the epoch flush the queue, so every document is still used exactly once per
+epoch. A global batch with fewer segments than micro-batches (only possible at the end of an epoch)
+leaves some micro-batches empty.
 
 The plan from a ``PlanState`` is a pure function of (lengths, costs, config, state), so a resumed run
 restarts exactly at the next unconsumed global batch: save the ``state`` of the last consumed batch.
@@ -18,6 +22,7 @@ restarts exactly at the next unconsumed global batch: save the ``state`` of the 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -28,6 +33,9 @@ from sparsebalance_pl.balance import balance_efficiency as balance_efficiency_of
 from sparsebalance_pl.errors import ConfigError, DataError
 
 from .partition import CapacityError, partition
+
+#: A step within this fraction of its lower bound max(mean slot cost, costliest segment) is balanced.
+_BALANCE_TOLERANCE = 1e-3
 
 #: Maps document lengths (tokens, float array) to predicted seconds per document.
 CostFn = Callable[[np.ndarray], np.ndarray]
@@ -52,8 +60,8 @@ class PlannerConfig:
         capacity: most tokens in one micro-batch (memory); defaults to ``tokens_per_rank``.
         micro_batches: micro-batches per rank and step (gradient accumulation), the same on every rank.
         defer_window: k, the most steps a document may wait after being drawn; 0 disables deferral.
-        defer_target: outliers are segments bound to cost more than a typical micro-batch divided by this;
-            waiting outliers are released as a group once the step's predicted balance reaches it.
+        defer_target: the predicted balance at which a group of waiting outliers is released at the latest
+            (as the group's earliest deadline comes); outliers just drawn wait for a perfect group.
         oversize: a document longer than ``capacity`` is an ``"error"`` or is ``"split"`` into pieces.
         seed: with the epoch, seeds the permutation.
         shuffle: permute the documents each epoch (else keep dataset order).
@@ -201,31 +209,32 @@ class _Stream(NamedTuple):
 
 
 class _Costs(NamedTuple):
-    """Per-segment predicted cost, a lower bound on the cost of the slot holding it, and whether it is an
-    outlier that waits for company (only with deferral); ``rate`` is the cost per token of the others."""
+    """Per-segment predicted cost, a lower bound on the cost of the slot holding it, the positions of the
+    outliers (which wait for company when deferral is on), and ``rate``, the cost per token of the others."""
 
     cost: np.ndarray
     bound: np.ndarray
-    outlier: np.ndarray
+    outliers: np.ndarray
     rate: float
 
     @classmethod
     def build(cls, stream: _Stream, cost: np.ndarray, config: PlannerConfig) -> _Costs:
         """A slot holds its segment plus the tokens the other slots of a full step cannot take (nearly a
         whole slot when the budget is tight), at the cheapest rate per token. An outlier's bound exceeds
-        the typical slot cost (``tokens_per_rank`` at the rate of the non-outliers) times 1 / defer_target;
-        the rate and the outliers define each other, so a few fixed-point rounds settle them."""
+        the typical slot cost (``tokens_per_rank`` at the rate of the non-outliers): in an ordinary step it
+        would be the slowest slot. The rate and the outliers define each other, so a few fixed-point
+        rounds settle them."""
         tokens = stream.length.astype(np.float64)
         if not tokens.size:
-            return cls(cost, cost, np.zeros(0, dtype=bool), 0.0)
+            return cls(cost, cost, np.zeros(0, dtype=np.int64), 0.0)
         must_hold = max(0, config.budget - (config.slots - 1) * config.cap)
         bound = cost + np.maximum(must_hold - tokens, 0) * (cost / tokens).min()
         outlier = np.zeros(cost.size, dtype=bool)
         rate = cost.sum() / tokens.sum()
-        for _ in range(3 if config.defer_window else 0):
-            outlier = bound * config.defer_target > config.tokens_per_rank * rate
+        for _ in range(3):
+            outlier = bound > config.tokens_per_rank * rate
             rate = cost[~outlier].sum() / max(tokens[~outlier].sum(), 1.0)
-        return cls(cost, bound, outlier, float(rate))
+        return cls(cost, bound, np.flatnonzero(outlier), float(rate))
 
 
 class _Step:
@@ -233,10 +242,12 @@ class _Step:
 
     First the waiting outliers to release: all at their deadline, plus the largest group of the costliest
     waiting ones (at most one per slot) whose predicted balance, with the rest of the budget filled at the
-    ordinary rate, reaches ``defer_target``. Then draws from the stream fill the budget; an outlier drawn
-    joins the queue instead, until k steps later. Finally admitted segments are given back, last first,
-    until ``partition`` finds a balanced packing under the capacity. Segments at their deadline always
-    fit: the tokens sharing a deadline stay within half the budget, which first-fit-decreasing packs.
+    ordinary rate, reaches what the group needs (``_required``). Then draws from the stream fill the
+    budget, less the room that admitted outliers' slots cannot use (``_room_lost``); an outlier drawn
+    joins the queue instead, for at most k steps. Finally admitted segments are given back, last first,
+    until ``partition`` finds a packing under the capacity, and once more if that improves its balance
+    (``_rebalance``). Segments at their deadline always fit: the tokens sharing a deadline stay within
+    half the budget, which first-fit-decreasing packs.
     """
 
     def __init__(self, stream: _Stream, costs: _Costs, config: PlannerConfig, state: PlanState) -> None:
@@ -261,6 +272,7 @@ class _Step:
         parts = None
         while parts is None:
             parts = self._partition()
+        parts = self._rebalance(parts)
         for p in self.chosen:
             self.queue.pop(p, None)
         deferred = tuple(sorted(self.queue.items(), key=lambda item: (item[1], item[0])))
@@ -276,9 +288,16 @@ class _Step:
         optional = [p for p in waiting if p not in must]
         for level in [bound[p] for p in optional if bound[p] > floor] + [floor]:
             group = must + [p for p in optional if bound[p] <= level][: max(0, self.config.slots - len(must))]
-            if level == floor or self._predicted_balance(group, level) >= self.config.defer_target:
+            if level == floor or self._predicted_balance(group, level) >= self._required(group):
                 return group
         return must
+
+    def _required(self, group: list[int]) -> float:
+        """The predicted balance a group needs to leave the queue: 1 while its members have just arrived,
+        falling linearly to ``defer_target`` at the earliest deadline among them. Fresh outliers wait for
+        partners of their own cost; old ones take the best group there is."""
+        slack = min(self.queue[p] for p in group) - self.state.step
+        return 1 - (1 - self.config.defer_target) * max(0.0, 1 - slack / max(self.config.defer_window, 1))
 
     def _predicted_balance(self, group: list[int], level: float) -> float:
         tokens = int(self.stream.length[group].sum())
@@ -288,34 +307,77 @@ class _Step:
         return float(mean / max(mean, level))
 
     def _fits(self, p: int) -> bool:
-        return self.tokens + int(self.stream.length[p]) <= self.budget
+        """Whether p fits the budget, less the room outliers' slots cannot use (due segments: the budget)."""
+        room_lost = 0 if p in self.due else self._room_lost(self.chosen + [p])
+        return self.tokens + int(self.stream.length[p]) <= self.budget - room_lost
 
     def _admit(self, p: int) -> None:
         self.chosen.append(p)
         self.tokens += int(self.stream.length[p])
 
+    def _outliers_among(self, positions: list[int]) -> np.ndarray:
+        """The outliers among these stream positions."""
+        outliers, positions_n = self.costs.outliers, np.asarray(positions, dtype=np.int64)
+        if not outliers.size:
+            return positions_n[:0]
+        at = np.minimum(np.searchsorted(outliers, positions_n), outliers.size - 1)
+        return positions_n[outliers[at] == positions_n]
+
+    def _room_lost(self, chosen: list[int]) -> int:
+        """Budget tokens the slots of the outliers among ``chosen`` cannot take without becoming the slowest.
+
+        A slot takes ordinary segments only up to the step's level, the costliest outlier or a typical
+        full slot; beyond, the budget would buy imbalance (the costliest outlier's slot best holds it alone).
+        """
+        big = self._outliers_among(chosen)
+        if not big.size or self.costs.rate <= 0:  # free ordinary segments fill any slot
+            return 0
+        cost, rate, share = self.costs.cost[big], self.costs.rate, self.config.tokens_per_rank
+        filler = (max(share * rate, float(cost.max())) - cost) / rate
+        return int(np.maximum(share - self.stream.length[big] - filler, 0).sum())
+
     def _draw(self) -> None:
-        """Admit stream segments while they fit; outliers go to the queue while their deadline has room."""
-        deadline = self.state.step + self.config.defer_window
-        while self.cursor < self.stream.length.size:
-            p = self.cursor
-            if self.costs.outlier[p] and self._can_wait(p):
-                self.queue[p] = deadline
-            elif self._fits(p):
-                self._admit(p)
+        """Admit stream segments while they fit; outliers go to the queue while some deadline has room."""
+        cum, outliers, size = self.stream.cum, self.costs.outliers, self.stream.length.size
+        while self.cursor < size:
+            # The ordinary segments before the next outlier, as many as fit, in one go.
+            i = int(np.searchsorted(outliers, self.cursor))
+            run_end = int(outliers[i]) if i < outliers.size else size
+            room = self.budget - self._room_lost(self.chosen) - self.tokens
+            fit_end = int(np.searchsorted(cum, cum[self.cursor] + room, side="right")) - 1
+            end = max(self.cursor, min(run_end, fit_end))
+            self.chosen.extend(range(self.cursor, end))
+            self.tokens += int(cum[end] - cum[self.cursor])
+            self.cursor = end
+            if end == size or end < run_end:
+                return
+            deadline = self._deadline(end)
+            if deadline is not None:
+                self.queue[end] = deadline
+            elif self._fits(end):
+                self._admit(end)
             else:
                 return
             self.cursor += 1
 
-    def _can_wait(self, p: int) -> bool:
-        """Whether p may wait: not at its deadline and, if not queued yet, its deadline group keeps room."""
+    def _deadline(self, p: int) -> int | None:
+        """The step p may wait until, or None if it may not wait.
+
+        Queued segments keep theirs; due ones may not wait again. A new one gets the latest step within the
+        window whose segments due together stay within half the budget, so they always fit: the pieces of
+        a split document, drawn together, spread over several deadlines instead of entering the step.
+        """
         if p in self.due:
-            return False
+            return None
         if p in self.queue:
-            return True
-        deadline = self.state.step + self.config.defer_window
-        waiting = sum(int(self.stream.length[q]) for q, d in self.queue.items() if d == deadline)
-        return 2 * (waiting + int(self.stream.length[p])) <= self.config.budget
+            return self.queue[p]
+        due_tokens: Counter[int] = Counter()
+        for q, d in self.queue.items():
+            due_tokens[d] += int(self.stream.length[q])
+        for deadline in range(self.state.step + self.config.defer_window, self.state.step, -1):
+            if 2 * (due_tokens[deadline] + int(self.stream.length[p])) <= self.config.budget:
+                return deadline
+        return None
 
     def _partition(self) -> list[list[int]] | None:
         """The slots of the admitted segments, or None after giving one back when the balanced packing fails.
@@ -332,19 +394,69 @@ class _Step:
                 return None
         return partition(*args, **kwargs)
 
-    def _give_back(self) -> bool:
-        """Return the last admitted segment that may leave to the stream or the queue; False if none may."""
-        for p in reversed(self.chosen):
+    def _rebalance(self, parts: list[list[int]]) -> list[list[int]]:
+        """Give back ordinary tail segments when the capacity holds the step above its bound max(mean,
+        costliest), if the step's balance improves (else keep ``parts``).
+
+        A slot above the bound is full of segments it was forced to take; giving back as many tokens as it
+        must shed lets the other slots take them over. The tokens given back cost the later steps less
+        time than the imbalance costs this one.
+        """
+        cost, tokens = self.costs.cost[self.chosen], self.stream.length[self.chosen]
+        excess = _excess_tokens(cost, tokens, parts, self.config.slots)
+        if excess == 0:
+            return parts
+        saved = (list(self.chosen), self.tokens, self.cursor, dict(self.queue))
+        while self.tokens > saved[1] - excess and self._give_back(outliers=False):
+            pass
+        try:
+            trimmed = partition(self.costs.cost[self.chosen], self.config.slots, tokens=self.stream.length[self.chosen],
+                                capacity=self.config.cap, token_fallback=False)
+        except CapacityError:
+            trimmed = None
+        if trimmed is None or _efficiency(self.costs.cost[self.chosen], trimmed) <= _efficiency(cost, parts):
+            self.chosen, self.tokens, self.cursor, self.queue = saved
+            return parts
+        return trimmed
+
+    def _give_back(self, outliers: bool = True) -> bool:
+        """Return the last admitted segment that may leave to the stream or the queue; False if none may, or
+        if it is an outlier and ``outliers`` is false (it would take the step's level with it)."""
+        for i in range(len(self.chosen) - 1, -1, -1):
+            p = self.chosen[i]
+            if not outliers and self._outliers_among([p]).size:
+                return False
             if p == self.cursor - 1 and p >= self.state.cursor:
                 self.cursor -= 1
-            elif self.config.defer_window and self._can_wait(p):
-                self.queue.setdefault(p, self.state.step + self.config.defer_window)
+            elif self._deadline(p) is not None:
+                self.queue[p] = self._deadline(p)
             else:
                 continue
-            self.chosen.remove(p)
+            del self.chosen[i]
             self.tokens -= int(self.stream.length[p])
             return True
         return False
+
+
+def _efficiency(cost: np.ndarray, parts: list[list[int]]) -> float:
+    """Mean over max of the slot costs."""
+    sums = np.array([cost[part].sum() for part in parts])
+    return float(sums.mean() / sums.max()) if sums.max() > 0 else 1.0
+
+
+def _excess_tokens(cost: np.ndarray, tokens: np.ndarray, parts: list[list[int]], slots: int) -> int:
+    """Tokens the slots above the bound max(mean slot cost, costliest segment) must shed to reach it, cheapest
+    per token first (0 when every slot is within ``_BALANCE_TOLERANCE`` of it)."""
+    bound = max(cost.sum() / slots, cost.max(initial=0.0))
+    slack = _BALANCE_TOLERANCE * bound
+    excess = 0
+    for part in parts:
+        over = cost[part].sum() - bound
+        if over > slack:
+            cheap = np.asarray(part)[np.argsort(cost[part] / tokens[part], kind="stable")]
+            shed = int(np.searchsorted(np.cumsum(cost[cheap]), over - slack)) + 1
+            excess += int(tokens[cheap[:shed]].sum())
+    return excess
 
 
 def _arrange(
@@ -361,16 +473,15 @@ def _arrange(
     Each micro-batch index then holds slots of similar cost (ranks synchronise per micro-batch under FSDP),
     and alternating the direction evens out the per-rank sums.
     """
-    positions = [np.sort(np.asarray(chosen, dtype=np.int64)[part]) for part in parts]
+    chosen_n = np.asarray(chosen, dtype=np.int64)
+    positions = [np.sort(chosen_n[part]) for part in parts]
     slot_cost = np.array([costs[p].sum() for p in positions])
     slot_tokens = np.array([stream.length[p].sum() for p in positions], dtype=np.int64)
     grid = np.argsort(-slot_cost, kind="stable").reshape(config.micro_batches, config.world_size)
     grid[1::2] = grid[1::2, ::-1]
-    micro_batches = tuple(
-        tuple(
-            tuple(Segment(int(stream.doc[p]), int(stream.start[p]), int(stream.start[p] + stream.length[p])) for p in positions[slot])
-            for slot in grid[:, rank]
-        )
-        for rank in range(config.world_size)
-    )
+    stop = stream.start + stream.length
+    segments = [
+        tuple(map(Segment, stream.doc[p].tolist(), stream.start[p].tolist(), stop[p].tolist())) for p in positions
+    ]
+    micro_batches = tuple(tuple(segments[slot] for slot in grid[:, rank]) for rank in range(config.world_size))
     return GlobalBatch(index, micro_batches, slot_cost[grid], slot_tokens[grid], state)

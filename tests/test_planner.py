@@ -1,10 +1,15 @@
 import itertools
+import os
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from sparsebalance_pl.datamodules.density import DensityEstimator
+from sparsebalance_pl.datamodules.partition import karmarkar_karp
 from sparsebalance_pl.datamodules.planner import PlannerConfig, PlanState, balance_efficiency, plan_epoch
 from sparsebalance_pl.errors import ConfigError, DataError
 
@@ -55,6 +60,29 @@ def test_deferral_stays_within_window_and_helps_balance() -> None:
     assert all(b.imbalance >= 1.0 for b in plain)
 
 
+def test_full_budget_balances_like_karmarkar_karp_within_capacity() -> None:
+    # The budget fills every rank to capacity, so balance needs batches cut short where the capacity would
+    # otherwise force cheap documents onto the rank of a costly one; Karmarkar-Karp ignores the capacity.
+    def cost(n: np.ndarray) -> np.ndarray:
+        return 1e-6 * n + 1e-9 * n.astype(np.float64) ** 2
+
+    config = _config()
+    batches = list(plan_epoch(_lengths(3000), cost, config, epoch=0))
+    mean = slowest = 0.0
+    for b in batches:
+        assert b.tokens.max() <= config.cap
+        tokens = np.array([stop - start for _, start, stop in _segments([b])])
+        loads = [cost(tokens)[p].sum() for p in karmarkar_karp(cost(tokens), 4)]
+        mean, slowest = mean + np.mean(loads), slowest + max(loads)
+    assert balance_efficiency(batches) >= mean / slowest - 1e-3
+
+
+def test_deferral_reaches_high_balance() -> None:
+    lengths = _lengths(3000)
+    assert balance_efficiency(plan_epoch(lengths, _cost, _config(defer_window=8), epoch=0)) >= 0.96
+    assert balance_efficiency(plan_epoch(lengths, _cost, _config(), epoch=0)) < 0.9
+
+
 def test_same_inputs_same_plan_other_epoch_other_plan() -> None:
     lengths = _lengths()
     config = _config(defer_window=3)
@@ -62,6 +90,29 @@ def test_same_inputs_same_plan_other_epoch_other_plan() -> None:
     assert first == _segments(plan_epoch(lengths.copy(), _cost, config, epoch=0))
     assert first != _segments(plan_epoch(lengths, _cost, config, epoch=1))
     assert first != _segments(plan_epoch(lengths, _cost, _config(defer_window=3, seed=8), epoch=0))
+
+
+_PLAN_DIGEST = """
+import hashlib, numpy as np
+from sparsebalance_pl.datamodules.planner import PlannerConfig, plan_epoch
+lengths = np.minimum(np.random.default_rng(0).lognormal(6.5, 1.1, 1500).astype(np.int64) + 1, 8192)
+config = PlannerConfig(world_size=4, tokens_per_rank=8192, seed=7, defer_window=3)
+plan = [(b.micro_batches, b.state) for b in plan_epoch(lengths, lambda n: 1e-6 * n + 1e-10 * n**2, config, 0)]
+print(hashlib.sha256(repr(plan).encode()).hexdigest())
+"""
+
+
+def test_plan_digest_is_the_same_in_separate_processes() -> None:
+    # What every rank computes on its own: no iteration over hash-ordered sets may steer the plan.
+    root = Path(__file__).resolve().parent.parent
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", _PLAN_DIGEST], cwd=root, capture_output=True, text=True, check=True, timeout=300,
+            env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(root)},
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert len(digests) == 1 and len(digests.pop()) == 64
 
 
 @pytest.mark.parametrize("window", [0, 3])
