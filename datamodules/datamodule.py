@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 from pathlib import Path
 from typing import Literal
 
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
 from sparsebalance_pl.datamodules.eval_tasks import TASKS, EvalConfig, make_eval_samples
+from sparsebalance_pl.datamodules.longbench import cell_names, collate_prompts, make_prompts, read_longbench
 from sparsebalance_pl.datamodules.packing import collate_answers, collate_packed
 from sparsebalance_pl.datamodules.planner import PlannerConfig
 from sparsebalance_pl.datamodules.sampler import (
@@ -36,17 +38,47 @@ class PlanItems(Dataset):
     whose own ``len`` is the current rank's shard, hence ``size``) or a list of samples.
     """
 
-    def __init__(self, base, size: int) -> None:
+    def __init__(self, base, size: int, vocab_size: int | None = None, source: Path | None = None) -> None:
         self.base = base
         self.size = size
+        self.vocab_size = vocab_size
+        self.source = source
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, key: int | PaddingItem) -> dict:
-        if isinstance(key, PaddingItem):
-            return {**self.base[key.index], "bears_loss": False}
-        return self.base[key]
+        index = key.index if isinstance(key, PaddingItem) else key
+        sample = self.base[index]
+        if self.vocab_size is not None:
+            self._check_tokens(index, sample["tokens"])
+        return {**sample, "bears_loss": False} if isinstance(key, PaddingItem) else sample
+
+    def _check_tokens(self, index: int, tokens) -> None:
+        """Damaged chunk contents can still parse: an id outside the vocabulary would end the run in the
+        embedding lookup (on GPU as a device-side assert), far from its cause."""
+        ids = np.asarray(tokens)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise DataError(
+                f"{self.source}: sample {index} holds token id {bad}, outside the tokenizer's vocabulary "
+                f"[0, {self.vocab_size}): the dataset is corrupt or was built with another data.tokenizer; delete "
+                f"{self.source.parent} so prepare_data rebuilds it"
+            )
+
+
+class SequentialLoaders:
+    """Loaders read one after the other as one test loader: Lightning prints one results table per loader and
+    would repeat the epoch-level scores in each."""
+
+    def __init__(self, loaders: list[DataLoader]) -> None:
+        self.loaders = loaders
+
+    def __iter__(self):
+        return itertools.chain.from_iterable(self.loaders)
+
+    def __len__(self) -> int:
+        return sum(len(loader) for loader in self.loaders)
 
 
 class LongContextDataModule(L.LightningDataModule):
@@ -86,6 +118,13 @@ class LongContextDataModule(L.LightningDataModule):
             ``kv_retrieval``), scored by exact match per task and context length.
         eval_lengths: their context lengths in tokens (default: 512, 1024, ... up to ``max_doc_tokens``).
         eval_samples_per_cell: samples per task and length.
+        eval_longbench: a LongBench-format ``.jsonl`` file, or a folder of them, also served by ``test``: answers
+            generated greedily and scored by QA F1 and exact match per dataset and length bucket (read now, so
+            a missing path or a file without a valid line stops the run before it starts).
+        eval_longbench_max_tokens: longest LongBench prompt in tokens; longer ones are cut in the middle
+            (default: ``max_tokens - eval_max_new_tokens``).
+        eval_max_new_tokens: most tokens generated per LongBench answer; each costs a forward of the whole
+            packed micro-batch (no KV cache).
 
     Costs for ``sab`` come from the LightningModule's ``document_costs(lengths) -> seconds`` when it has one
     (SparseQwen: latency model at the estimated density of each document); otherwise from token counts.
@@ -113,6 +152,9 @@ class LongContextDataModule(L.LightningDataModule):
         eval_tasks: list[str] = list(TASKS),
         eval_lengths: list[int] | None = None,
         eval_samples_per_cell: int = 16,
+        eval_longbench: str | None = None,
+        eval_longbench_max_tokens: int | None = None,
+        eval_max_new_tokens: int = 32,
     ) -> None:
         super().__init__()
         if batching not in ("sab", "first_fit"):
@@ -169,6 +211,19 @@ class LongContextDataModule(L.LightningDataModule):
         )
         if max(self.eval_config.lengths) > max_tokens:
             raise ConfigError(f"data.eval_lengths={list(self.eval_config.lengths)} exceed data.max_tokens={max_tokens}")
+        if eval_max_new_tokens < 1:
+            raise ConfigError(f"data.eval_max_new_tokens={eval_max_new_tokens} must be at least 1")
+        self.eval_max_new_tokens = eval_max_new_tokens
+        room = max_tokens - eval_max_new_tokens
+        self.eval_longbench_max_tokens = room if eval_longbench_max_tokens is None else eval_longbench_max_tokens
+        if eval_longbench and not 1 <= self.eval_longbench_max_tokens <= room:
+            raise ConfigError(
+                f"data.eval_longbench_max_tokens={self.eval_longbench_max_tokens} must lie between 1 and "
+                f"data.max_tokens - data.eval_max_new_tokens = {room}: a prompt and its answer must fit in one "
+                "micro-batch"
+            )
+        self.longbench = read_longbench(eval_longbench) if eval_longbench else []
+        self.longbench_cells = cell_names(self.longbench)[0] if self.longbench else []
         self.train_sampler: PlannedBatchSampler | None = None
         self.planned_efficiency: dict[int, float] = {}
         self._resume: dict | None = None
@@ -271,7 +326,8 @@ class LongContextDataModule(L.LightningDataModule):
             )
             sampler = PlannedBatchSampler(lambda epoch: plan, rank=rank)
         return DataLoader(
-            PlanItems(litdata.StreamingDataset(str(self.data_dir / split)), len(lengths)),
+            PlanItems(litdata.StreamingDataset(str(self.data_dir / split)), len(lengths), self.vocab_size,
+                      self.data_dir / split),
             batch_sampler=sampler,
             collate_fn=collate_packed,
             num_workers=self.num_workers,
@@ -284,10 +340,22 @@ class LongContextDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         return self._loader("val", train=False) if self.val_fraction > 0 else []
 
-    def test_dataloader(self) -> DataLoader:
-        """The synthetic retrieval tasks (``eval_tasks`` at ``eval_lengths``), generated in memory."""
-        samples = make_eval_samples(self.eval_config, self.tokenizer)
-        lengths = np.array([len(s["tokens"]) for s in samples])
+    def test_dataloader(self) -> SequentialLoaders:
+        """The synthetic retrieval tasks (``eval_tasks`` at ``eval_lengths``), generated in memory, then the
+        LongBench prompts (``eval_longbench``), each packed with room for its generated answer."""
+        loaders = []
+        if self.eval_config.tasks:
+            samples = make_eval_samples(self.eval_config, self.tokenizer)
+            loaders.append(self._eval_loader(samples, [len(s["tokens"]) for s in samples], collate_answers))
+        if self.longbench:
+            samples = make_prompts(self.longbench, self.tokenizer, self.eval_longbench_max_tokens)
+            lengths = [len(s["tokens"]) + self.eval_max_new_tokens for s in samples]
+            loaders.append(self._eval_loader(samples, lengths, collate_prompts))
+        return SequentialLoaders(loaders)
+
+    def _eval_loader(self, samples: list[dict], lengths: list[int], collate) -> DataLoader:
+        """In-memory samples in stream order, packed first-fit by ``lengths``, every rank in step."""
+        lengths = np.array(lengths)
         num_ranks, rank = self._ranks()
         plan = first_fit_plan(
             lengths, lengths, max_tokens=self.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=0, shuffle=False
@@ -295,7 +363,7 @@ class LongContextDataModule(L.LightningDataModule):
         return DataLoader(
             PlanItems(samples, len(samples)),
             batch_sampler=PlannedBatchSampler(lambda epoch: plan, rank=rank),
-            collate_fn=collate_answers,
+            collate_fn=collate,
         )
 
     def state_dict(self) -> dict:

@@ -21,11 +21,12 @@ from sparsebalance_pl.attention import (
 )
 from sparsebalance_pl.callbacks.protocol import SparsityReport
 from sparsebalance_pl.datamodules.density import DensityEstimator
+from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.errors import ConfigError, TrainingError
-from sparsebalance_pl.evaluation import answer_exact_match
+from sparsebalance_pl.evaluation import answer_exact_match, greedy_generate, greedy_tokens, qa_scores
 from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.loss import chunked_cross_entropy_sum, globally_normalised_loss
-from sparsebalance_pl.metrics import CellAccuracy, TokenMeanLoss
+from sparsebalance_pl.metrics import CellAccuracy, CellMeans, TokenMeanLoss
 from sparsebalance_pl.model import ModelConfig
 from sparsebalance_pl.strategy import apply_fully_shard
 
@@ -82,13 +83,17 @@ class PackedCausalLM(nn.Module):
         targets: torch.Tensor,
         ctx: AttentionContext,
         answer_spans: torch.Tensor | None = None,
+        predict_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        """(summed loss, loss-bearing tokens); with ``answer_spans``, whether each answer is predicted."""
+        """(summed loss, loss-bearing tokens); with ``answer_spans``, whether each answer is predicted; with
+        ``predict_at``, the greedy next token at each of those stream positions."""
         hidden = self.hf.model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, sb_context=ctx
         ).last_hidden_state
         if answer_spans is not None:
             return answer_exact_match(hidden[0], self.hf.lm_head.weight, input_ids[0], answer_spans)
+        if predict_at is not None:
+            return greedy_tokens(hidden[0], self.hf.lm_head.weight, predict_at)
         return chunked_cross_entropy_sum(hidden[0], self.hf.lm_head.weight, targets[0], self.loss_chunk_tokens)
 
 
@@ -152,6 +157,7 @@ class SparseQwen(L.LightningModule):
         self.val_loss = TokenMeanLoss()
         self.test_loss = TokenMeanLoss()
         self.answer_accuracy: CellAccuracy | None = None
+        self.longbench_scores: CellMeans | None = None
         self.last_context: AttentionContext | None = None
         self.save_hyperparameters()
 
@@ -284,11 +290,22 @@ class SparseQwen(L.LightningModule):
             )
         rank_zero_warn(f"non-finite loss at {where}: update skipped on every rank")
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Skipped steps count over the whole run, across resumes, against ``max_nonfinite_steps``."""
+        checkpoint["nonfinite_steps"] = self.nonfinite_steps
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.nonfinite_steps = checkpoint.get("nonfinite_steps", 0)  # 0: a checkpoint from before the count was saved
+
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._evaluate(batch, self.val_loss, "val/loss")
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
-        """Retrieval accuracy on evaluation tasks (batches with ``answer_spans``), else the loss."""
+        """Retrieval accuracy on evaluation tasks (batches with ``answer_spans``), generated answers on LongBench
+        prompts (batches with ``prompts``), else the loss."""
+        if "prompts" in batch:
+            self._score_longbench(batch)
+            return
         if "answer_spans" not in batch:
             self._evaluate(batch, self.test_loss, "test/loss")
             return
@@ -304,11 +321,47 @@ class SparseQwen(L.LightningModule):
             self.answer_accuracy = CellAccuracy(names).to(self.device)
         return self.answer_accuracy
 
+    def _score_longbench(self, batch: dict) -> None:
+        """Greedy answers to the packed prompts, scored by QA F1 and exact match against their references.
+
+        Without a KV cache each new token is one forward of the whole packed micro-batch: up to
+        ``eval_max_new_tokens`` forwards per micro-batch. Generation ends early only when every rank is done.
+        """
+        data = self.trainer.datamodule
+        tokenizer = data.tokenizer
+        generated = greedy_generate(
+            self._greedy_next_tokens,
+            batch["prompts"],
+            data.eval_max_new_tokens,
+            tokenizer.eos_id,
+            stop=lambda finished: self.trainer.strategy.reduce_boolean_decision(finished, all=True),
+        )
+        scores = [qa_scores(tokenizer.decode(ids), answers) for ids, answers in zip(generated, batch["answers"])]
+        if self.longbench_scores is None:
+            self.longbench_scores = CellMeans(data.longbench_cells, ["f1", "exact_match"]).to(self.device)
+        scored = batch["scored"]
+        self.longbench_scores.update(batch["cells"][scored], torch.tensor(scores, device=self.device)[scored])
+
+    def _greedy_next_tokens(self, sequences: list[list[int]]) -> list[int]:
+        """Each sequence's greedy next token, from one forward of them all packed into one stream."""
+        batch = {k: v.to(self.device) for k, v in collate_packed([{"tokens": s} for s in sequences]).items()}
+        last = batch["cu_seqlens"][1:].long() - 1
+        ctx = self.attention_context(batch["cu_seqlens"])
+        return self.net(batch["input_ids"], batch["position_ids"], batch["targets"], ctx, predict_at=last).tolist()
+
     def on_test_epoch_end(self) -> None:
+        """Accuracy per task and length, and LongBench F1 and exact match per dataset and length bucket (already
+        summed over ranks)."""
+        logged = {}
         if self.answer_accuracy is not None:
-            accuracy = self.answer_accuracy.compute()  # already summed over ranks
-            self.log_dict({f"test/accuracy/{cell}": value for cell, value in accuracy.items()}, rank_zero_only=True)
+            logged |= {f"test/accuracy/{cell}": value for cell, value in self.answer_accuracy.compute().items()}
             self.answer_accuracy = None
+        if self.longbench_scores is not None:
+            for score, cells in self.longbench_scores.compute().items():
+                logged |= {f"test/longbench/{score}/{cell}": value for cell, value in cells.items()}
+            self.longbench_scores = None
+        if logged:  # equal on every rank already: sync_dist only tells Lightning so
+            self.log_dict(logged, sync_dist=True)
 
     def _evaluate(self, batch: dict, metric: TokenMeanLoss, name: str) -> None:
         loss_sum, num_tokens = self(batch)
