@@ -27,6 +27,7 @@ from torchmetrics.aggregation import MeanMetric, SumMetric
 
 from sparsebalance_pl.attention import LayerBudget
 from sparsebalance_pl.balance import imbalance
+from sparsebalance_pl.errors import ConfigError
 from sparsebalance_pl.callbacks.budget import (
     ANCHORS,
     Anchor,
@@ -117,14 +118,17 @@ class DynamicSparsityTuning(Callback):
         speed_smoothing: float = 0.3,
         slowdown: dict[int, float] | None = None,
     ) -> None:
+        name = type(self).__name__
         if anchor not in ANCHORS:
-            raise ValueError(f"anchor={anchor!r} is unknown; allowed: {ANCHORS}")
+            raise ConfigError(f"{name}.anchor={anchor!r} is unknown; allowed: {', '.join(ANCHORS)}")
         if not 0.0 <= p <= 1.0:
-            raise ValueError(f"p={p} must lie in [0, 1]")
+            raise ConfigError(f"{name}.p={p} must lie in [0, 1]")
+        if not 0.0 <= recall_tolerance <= 1.0:
+            raise ConfigError(f"{name}.recall_tolerance={recall_tolerance} must lie in [0, 1]")
         if not 0.0 < speed_smoothing <= 1.0:
-            raise ValueError(f"speed_smoothing={speed_smoothing} must lie in (0, 1]")
+            raise ConfigError(f"{name}.speed_smoothing={speed_smoothing} must lie in (0, 1]")
         if any(f < 1.0 for f in (slowdown or {}).values()):
-            raise ValueError(f"slowdown factors must be >= 1, got {slowdown}")
+            raise ConfigError(f"{name}.slowdown factors must be >= 1, got {slowdown}")
         self.anchor, self.p = anchor, p
         self.recall_tolerance = recall_tolerance
         self.speed_smoothing = speed_smoothing

@@ -122,9 +122,12 @@ def _encode_chunks(
     if len(ids) < 2 or not text.strip():
         log.warning("%s: empty document skipped", where)
         return
-    if len(ids) > max_doc_tokens and oversize == "reject":
-        log.warning("%s: document of %d tokens rejected (data.max_doc_tokens=%d)", where, len(ids), max_doc_tokens)
-        return
+    if len(ids) > max_doc_tokens:
+        action = "rejected" if oversize == "reject" else "split"
+        log.warning("%s: document of %d tokens %s (data.max_doc_tokens=%d, data.oversize=%s)", where, len(ids),
+                    action, max_doc_tokens, oversize)
+        if oversize == "reject":
+            return
     for start in range(0, len(ids), max_doc_tokens):
         piece = np.asarray(ids[start : start + max_doc_tokens], dtype=np.int32)
         if piece.size >= 2:
@@ -259,12 +262,30 @@ def load_lengths(split_dir: Path) -> np.ndarray:
 
 
 def verify_chunks(split_dir: Path) -> None:
-    """Every chunk named in litdata's ``index.json`` exists with the size the index records."""
+    """Every chunk named in litdata's ``index.json`` exists with the size the index records and a header that
+    fits it. Reads the headers only: a damaged header otherwise fails every read of the chunk with an error
+    that names no file."""
     for chunk in json.loads((split_dir / "index.json").read_text())["chunks"]:
         file = split_dir / chunk["filename"]
         size = file.stat().st_size if file.is_file() else None
         if size != chunk["chunk_bytes"]:
-            found = "missing" if size is None else f"{size} bytes, expected {chunk['chunk_bytes']}"
+            problem = "missing" if size is None else f"{size} bytes, expected {chunk['chunk_bytes']}"
+        else:
+            problem = _chunk_header_problem(file, chunk["chunk_size"], size)
+        if problem:
             raise DataError(
-                f"{file}: chunk {found} (truncated or corrupt); delete {split_dir.parent} so prepare_data rebuilds it"
+                f"{file}: chunk {problem} (truncated or corrupt); delete {split_dir.parent} so prepare_data "
+                "rebuilds it"
             )
+
+
+def _chunk_header_problem(file: Path, items: int, size: int) -> str | None:
+    """What is wrong with an uncompressed litdata chunk's header: its item count, then the byte offset of each
+    item and of the end of the last, rising from the end of the header to at most the file's size."""
+    header = np.fromfile(file, dtype="<u4", count=items + 2).astype(np.int64)
+    if header.size < items + 2 or header[0] != items:
+        return f"header does not hold the {items} items index.json records"
+    offsets = header[1:]
+    if offsets[0] != 4 * (items + 2) or offsets[-1] > size or np.any(np.diff(offsets) < 0):
+        return "header's item offsets do not fit the file"
+    return None

@@ -1,11 +1,15 @@
-"""Command line: ``python main.py {fit,validate,test,profile} --config configs/<name>.yaml``.
+"""Command line: ``python main.py {fit,validate,test,profile} --config configs/<name>.yaml`` and ``python main.py
+export --ckpt_path <checkpoint> --out_dir <dir>``.
 
 ``fit``, ``validate`` and ``test`` go through LightningCLI. Every setting is checked when the configuration is
 parsed and the classes are built, in the launching process and before any process group starts; a bad one
 ends the run with a single line naming the setting and what is allowed (exit code 2), not a traceback.
+Under SLURM, ``fit`` checkpoints and requeues the job on SLURM's warning signal (``SlurmRequeue``).
 
 ``profile`` measures the latency table of this device for the configuration's model and kernels and writes
 it where the configuration's ``model.latency_table`` points (or ``--output``).
+
+``export`` writes a training checkpoint (a file, or FSDP2's sharded folder) as a Hugging Face model directory.
 """
 
 from __future__ import annotations
@@ -16,14 +20,17 @@ from pathlib import Path
 
 import torch
 import yaml
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.cli import LightningCLI
 
+from sparsebalance_pl import export
 from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.model import ModelConfig
 
 from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
 from sparsebalance_pl.errors import ConfigError, DataError, TrainingError
 from sparsebalance_pl.module import SparseQwen
+from sparsebalance_pl.slurm import SlurmRequeue
 
 
 class SparseBalanceCLI(LightningCLI):
@@ -49,6 +56,13 @@ class SparseBalanceCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._check_model_and_data()
+        if self.datamodule.micro_batches != self.trainer.accumulate_grad_batches:
+            raise ConfigError(
+                f"data.micro_batches={self.datamodule.micro_batches} must equal trainer.accumulate_grad_batches="
+                f"{self.trainer.accumulate_grad_batches}: the plan balances each optimiser step's micro-batches"
+            )
+        if SLURMEnvironment.detect() and not any(isinstance(c, SlurmRequeue) for c in self.trainer.callbacks):
+            self.trainer.callbacks.append(SlurmRequeue())
 
     def before_validate(self) -> None:
         self._check_model_and_data()
@@ -94,6 +108,8 @@ def main(args: list[str] | None = None) -> SparseBalanceCLI | Path | None:
     try:
         if argv[:1] == ["profile"]:
             return profile(argv[1:])
+        if argv[:1] == ["export"]:
+            return export.main(argv[1:])
         return SparseBalanceCLI(
             SparseQwen,
             LongContextDataModule,
@@ -101,6 +117,19 @@ def main(args: list[str] | None = None) -> SparseBalanceCLI | Path | None:
             save_config_kwargs={"overwrite": True},
             args=args,
         )
-    except (ConfigError, DataError, TrainingError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except Exception as err:
+        cause = _named_cause(err)
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
         sys.exit(2)
+
+
+def _named_cause(err: BaseException | None) -> BaseException | None:
+    """Our own error, also where the configuration parser re-raised it as the cause of its own (a callback's
+    settings are checked while jsonargparse builds the callback list)."""
+    while err is not None:
+        if isinstance(err, (ConfigError, DataError, TrainingError)):
+            return err
+        err = err.__cause__
+    return None

@@ -4,13 +4,25 @@ Lightning 2.6's ``strategy="fsdp"`` (FSDP1) refuses ``accelerator="cpu"``. ``Mod
 FSDP2 (``fully_shard``) on CPU with gloo and on GPU with NCCL, but its ``"auto"`` sizes mean one data-parallel
 rank per *node* and tensor parallelism inside the node. ``FSDP2Strategy`` makes every process a data-parallel
 rank instead, which is what training with packed micro-batches needs.
+
+Every collective waits at most ``timeout`` (Lightning's setting, ``h:m:s``; the default of 30 minutes also
+covers the other ranks waiting while rank 0 builds the dataset in ``prepare_data``). Under gloo a collective
+that times out or loses a peer raises on the waiting rank, and the run ends with an error naming that rank and
+the global step. Under NCCL the process group's watchdog ends a timed-out process itself, naming the rank and
+the collective.
 """
 
 from __future__ import annotations
 
+import logging
+import signal
+
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+log = logging.getLogger(__name__)
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -22,6 +34,34 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._data_parallel_size == "auto":
             self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
         super().setup_environment()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Say which rank and step a failed collective belongs to, and stop the launched ranks.
+
+        Gloo reports a timeout on the waiting rank only, as a bare RuntimeError; a rank stuck elsewhere (or
+        the rank it waited for) would keep its process alive, so the run would hang instead of ending.
+        """
+        super().on_exception(exception)
+        if not _is_collective_failure(exception):
+            return
+        trainer = self.lightning_module.trainer
+        log.error(
+            f"rank {self.global_rank} at global step {trainer.global_step} (epoch {trainer.current_epoch}): a "
+            f"collective failed or did not complete within {self._timeout} (trainer.strategy.init_args.timeout, "
+            "h:m:s): another rank is stuck, slower than that, or has stopped"
+        )
+        if self.launcher is not None:
+            self.launcher.kill(signal.SIGKILL)
+
+
+_LOST_COLLECTIVE = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer")
+
+
+def _is_collective_failure(err: BaseException) -> bool:
+    """NCCL and the rendezvous store raise ``DistError``; gloo raises RuntimeErrors known by their text."""
+    return isinstance(err, dist.DistError) or (
+        isinstance(err, RuntimeError) and any(text in str(err) for text in _LOST_COLLECTIVE)
+    )
 
 
 def apply_fully_shard(

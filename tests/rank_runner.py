@@ -8,7 +8,7 @@ import traceback
 import pytest
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -38,7 +38,7 @@ def run_ranks(fn, *args, world_size: int = 2, timeout: float = 120.0) -> dict[in
     raised (empty when all succeeded). ``fn`` must be importable (a module-level function)."""
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, args, errors)) for r in range(world_size)]
     for p in procs:
         p.start()

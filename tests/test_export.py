@@ -6,6 +6,7 @@ import torch
 from torch.distributed import checkpoint as dcp
 from transformers import Qwen2ForCausalLM
 
+from sparsebalance_pl import cli
 from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.errors import ConfigError
 from sparsebalance_pl.export import export_checkpoint
@@ -70,3 +71,13 @@ def test_bad_checkpoint_paths_are_reported(tmp_path):
     torch.save({"state_dict": {}}, tmp_path / "other.ckpt")
     with pytest.raises(ConfigError, match="no SparseQwen weights"):
         export_checkpoint(tmp_path / "other.ckpt", tmp_path / "hf")
+
+
+def test_main_py_export_writes_a_loadable_directory(tmp_path, capsys):
+    module = _trained_like_module()
+    _save_single_file(module, tmp_path / "last.ckpt")
+    out = cli.main(["export", "--ckpt_path", str(tmp_path / "last.ckpt"), "--out_dir", str(tmp_path / "hf")])
+    assert Qwen2ForCausalLM.from_pretrained(out, local_files_only=True).config.hidden_size == 64
+    with pytest.raises(SystemExit) as exit_info:  # a bad path is one line and exit code 2, like any bad setting
+        cli.main(["export", "--ckpt_path", str(tmp_path / "missing.ckpt"), "--out_dir", str(tmp_path / "x")])
+    assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err

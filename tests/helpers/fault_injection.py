@@ -1,5 +1,7 @@
 """Callbacks that inject faults into real training runs, loaded by ``class_path`` in subprocess tests."""
 
+import time
+
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -22,3 +24,28 @@ class InjectNonFiniteLoss(Callback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+class PaceSteps(Callback):
+    """Writes each global step to ``path`` (rank 0) and slows every step by ``seconds``, so that a test can
+    signal a run at a known point while it is still training."""
+
+    def __init__(self, path: str, seconds: float = 0.3) -> None:
+        self.path, self.seconds = path, seconds
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.is_global_zero:
+            with open(self.path, "w") as f:
+                f.write(str(trainer.global_step))
+        time.sleep(self.seconds)
+
+
+class StallRank(Callback):
+    """Makes one rank sleep at the start of one step, as a rank stuck outside any collective would."""
+
+    def __init__(self, rank: int = 1, step: int = 3, seconds: float = 600.0) -> None:
+        self.rank, self.step, self.seconds = rank, step, seconds
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            time.sleep(self.seconds)

@@ -1,0 +1,83 @@
+"""Checkpoint and requeue on SLURM's warning signal, at a step boundary every rank agrees on.
+
+Lightning's own SLURM auto-requeue saves the checkpoint inside the signal handler, wherever each rank's main
+thread happens to be. Under FSDP2 saving is a collective that gathers the sharded state: a rank interrupted
+inside a forward pass saves between the layers' all-gathers and the run crashes (seen here: "aten.mul.Tensor
+got mixed torch.Tensor and DTensor") or hangs (Lightning issue #21406). ``SlurmRequeue`` only notes the
+signal in the handler. At the end of the next training batch the ranks agree on it (one all-reduce of a
+flag), save ``hpc_ckpt_<n>.ckpt`` into ``trainer.default_root_dir`` together, rank 0 runs ``scontrol
+requeue`` and training stops. The requeued job's ``fit`` resumes from that checkpoint by itself: under SLURM,
+without a ``ckpt_path``, Lightning resumes from the newest ``hpc_ckpt_*`` of the default root directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import lightning as L
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+
+class SlurmRequeue(Callback):
+    """On SLURM's requeue signal (``SIGUSR1`` unless the ``SLURMEnvironment`` says otherwise): save, requeue
+    the job, stop. Does nothing outside SLURM or when the environment's ``auto_requeue`` is off.
+
+    Add it to the trainer's callbacks (``main.py fit`` does when it runs under SLURM); it replaces Lightning's
+    own requeue handler for the run.
+    """
+
+    def __init__(self) -> None:
+        self._environment: SLURMEnvironment | None = None
+        self._previous_handler = None
+        self._signalled = False
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        if stage != "fit" or not isinstance(environment, SLURMEnvironment) or not environment.auto_requeue:
+            return
+        environment.auto_requeue = False  # Lightning installs its in-handler save only while this is on
+        self._environment = environment
+        self._signalled = False
+        self._previous_handler = signal.signal(environment.requeue_signal, self._note_signal)
+
+    def _note_signal(self, signum: int, frame) -> None:
+        self._signalled = True
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
+        if self._environment is None or not trainer.strategy.reduce_boolean_decision(self._signalled, all=False):
+            return
+        # One name for every rank: each listing the folder on its own could see another rank's new checkpoint.
+        path = trainer.strategy.broadcast(_CheckpointConnector.hpc_save_path(trainer.default_root_dir))
+        trainer.save_checkpoint(path)
+        if trainer.is_global_zero:
+            _requeue(path)
+        trainer.should_stop = True
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._environment is not None:
+            previous = self._previous_handler  # None: set outside Python, not restorable
+            signal.signal(self._environment.requeue_signal, signal.SIG_DFL if previous is None else previous)
+            self._environment.auto_requeue = True
+            self._environment = None
+
+
+def _requeue(checkpoint: str) -> None:
+    """``scontrol requeue`` this job (or array task); a failure leaves the checkpoint for a manual resubmission."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, check=False)
+        failure = f"exit code {result.returncode}: {result.stderr.strip()}" if result.returncode else None
+    except OSError as err:
+        failure = str(err)
+    if failure:
+        rank_zero_warn(f"saved {checkpoint}, but `scontrol requeue {job}` failed ({failure}): resubmit the job")
+    else:
+        rank_zero_info(f"requeue signal: saved {checkpoint} and requeued SLURM job {job}; stopping")
