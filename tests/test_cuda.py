@@ -46,7 +46,7 @@ def test_sparse_at_tau_one_matches_dense_on_cuda():
     sparse.net.load_state_dict(dense.net.state_dict())
     batch = {k: v.cuda() for k, v in collate_packed(_documents([1500, 700, 1900], dense.dims.vocab_size, 0)).items()}
     with torch.no_grad():
-        (a, n), (b, _) = dense(batch), sparse(batch)
+        (a, _), (b, _) = dense(batch), sparse(batch)
     assert torch.isfinite(b) and abs(float(a - b)) / float(a) <= 1e-4
     assert sparse.last_context.mean_density() == pytest.approx(1.0)
 
