@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from sparsebalance_pl.balance import balance_efficiency, imbalance  # noqa: E402
 
-# name: (attention backend, batching, DST p or None for no tuning)
+# name: (attention backend, batching, DST p: 0 measures only, None tunes with --p)
 VARIANTS = {
     "dense": ("dense", "first_fit", 0.0),
     "static": ("sparse", "first_fit", 0.0),
@@ -71,7 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--accelerator", default=None, help="default: the configuration's")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per variant run")
     parser.add_argument("--out", type=Path, default=Path("outputs/e2e"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup:
+        parser.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
+    return args
 
 
 def variant_config(base: dict, name: str, args: argparse.Namespace, run_dir: Path) -> dict:
@@ -133,8 +136,8 @@ def per_step(rows: list[dict], key: str) -> dict[int, float]:
 def summarise(rows: list[dict], warmup: int) -> dict:
     step_s = per_step(rows, "train/step_s")
     timed = [t for s, t in step_s.items() if s >= warmup]
-    rank_times = [per_step(rows, f"latency/rank{r}/measured_s") for r in range(8)]
-    rank_times = [t for t in rank_times if t]
+    ranks = sorted({int(k.split("/")[1][4:]) for r in rows for k in r if k.startswith("latency/rank")})
+    rank_times = [per_step(rows, f"latency/rank{r}/measured_s") for r in ranks]
     steps = sorted(set.intersection(*(set(t) for t in rank_times))) if rank_times else []
     measured = [[t[s] for t in rank_times] for s in steps if s >= warmup]
     losses = [v for _, v in sorted(per_step(rows, "train/loss").items())]
@@ -163,7 +166,7 @@ def summarise(rows: list[dict], warmup: int) -> dict:
 
 
 def merge_rounds(rounds: list[list[dict]], warmup: int) -> dict:
-    """One summary over all rounds of a variant (medians over the pooled steps, curves of the first round)."""
+    """One summary over all rounds of a variant (the median of the rounds' figures, curves of the first round)."""
     summaries = [summarise(r, warmup) for r in rounds]
     merged = {key: statistics.median(s[key] for s in summaries) for key in summaries[0] if key != "curves"}
     merged["curves"] = summaries[0]["curves"]
@@ -174,18 +177,21 @@ def markdown_table(results: dict, regime: str, args: argparse.Namespace) -> str:
     base = results.get(BASELINE)
     lines = [
         f"Regime: {regime}. {args.steps} steps, median step time after {args.warmup} warm-up steps, "
-        f"{args.rounds} round(s); ratios against `{BASELINE}` (static sparse, first-fit).",
+        f"{args.rounds} round(s); ratios against `{BASELINE}` (static sparse, first-fit). Step times compare "
+        "steps, tokens/s the work done: a planner that fills its batches less has shorter steps.",
         "",
-        "| variant | step s | speed-up | tokens/s | imbalance | balance eff. | train loss | val loss | recall | density |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | step s | speed-up | tokens/s | tokens/s ratio | imbalance | balance eff. | train loss | val loss "
+        "| recall | density |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     def cell(value: float, digits: int) -> str:
         return "n/a" if math.isnan(value) else f"{value:.{digits}f}"  # dense attention reports no sparsity
 
     for name, r in results.items():
         speedup = base["step_s"] / r["step_s"] if base else math.nan
+        throughput = r["tokens_per_s"] / base["tokens_per_s"] if base else math.nan
         lines.append(
-            f"| {name} | {r['step_s']:.3f} | {speedup:.2f}x | {r['tokens_per_s']:.0f} "
+            f"| {name} | {r['step_s']:.3f} | {speedup:.2f}x | {r['tokens_per_s']:.0f} | {throughput:.2f}x "
             f"| {cell(r['measured_imbalance'], 3)} | {cell(r['balance_efficiency'], 3)} | {r['train_loss']:.4f} "
             f"| {cell(r['val_loss'], 4)} | {cell(r['recall'], 3)} | {cell(r['density'], 3)} |"
         )

@@ -28,6 +28,7 @@ from torchmetrics.aggregation import MeanMetric, SumMetric
 from sparsebalance_pl.attention import LayerBudget
 from sparsebalance_pl.balance import imbalance
 from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl.strategy import gather_objects
 from sparsebalance_pl.callbacks.budget import (
     ANCHORS,
     Anchor,
@@ -232,7 +233,7 @@ class DynamicSparsityTuning(Callback):
                 "shift": pending.budget.shift,
                 "budgets": [[b.tau, b.max_density] for b in pending.budget.budgets],
             }
-        records = _gather_objects(trainer, record)
+        records = gather_objects(trainer, record)
         if any(r is None for r in records):
             return
         self._learn(pl_module, records)
@@ -311,15 +312,6 @@ def _gather_floats(trainer: L.Trainer, pl_module: L.LightningModule, values: lis
     """[world, len(values)]: one all-gather of a few floats."""
     tensor = torch.tensor(values, dtype=torch.float64, device=pl_module.device)
     return trainer.strategy.all_gather(tensor).reshape(trainer.world_size, -1).cpu().numpy()
-
-
-def _gather_objects(trainer: L.Trainer, obj: Any) -> list:
-    """Every rank's small picklable ``obj``, in rank order (variable-length document lists)."""
-    if trainer.world_size == 1:
-        return [obj]
-    out: list = [None] * trainer.world_size
-    torch.distributed.all_gather_object(out, obj)
-    return out
 
 
 def _log(pl_module: L.LightningModule, values: dict[str, float], on_epoch: bool = False) -> None:

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
 from sparsebalance_pl.datamodules.eval_tasks import TASKS, EvalConfig, make_eval_samples
 from sparsebalance_pl.datamodules.longbench import cell_names, collate_prompts, make_prompts, read_longbench
-from sparsebalance_pl.datamodules.packing import collate_answers, collate_packed
+from sparsebalance_pl.datamodules.packing import collate_answers, collate_packed, first_fit
 from sparsebalance_pl.datamodules.planner import PlannerConfig
 from sparsebalance_pl.datamodules.sampler import (
     EpochPlan,
@@ -333,6 +333,22 @@ class LongContextDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
+
+    def calibration_batches(self, min_length: int = 1, per_bin: int = 2) -> list[dict]:
+        """Packed micro-batches of training documents across the length range, identical on every rank: up to
+        ``per_bin`` documents of each half-octave of length from ``min_length`` up, for the model to measure
+        its attention density by length before the first epoch is planned (``SparseQwen.calibrate_density``)."""
+        import litdata
+
+        lengths = self.lengths("train")
+        order = np.random.default_rng(self.seed).permutation(len(lengths))
+        order = order[lengths[order] >= min_length]
+        bins = np.floor(2 * np.log2(lengths[order])).astype(np.int64)
+        picked = np.concatenate([order[bins == b][:per_bin] for b in np.unique(bins)] or [order])
+        dataset = litdata.StreamingDataset(str(self.data_dir / "train"))
+        items = PlanItems(dataset, len(lengths), self.vocab_size, self.data_dir / "train")
+        packed = first_fit(lengths, picked[np.argsort(-lengths[picked], kind="stable")], self.max_tokens)
+        return [collate_packed([items[int(i)] for i in batch]) for batch in packed]
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", train=True)

@@ -58,6 +58,11 @@ class DensityEstimator:
         self.log_ratio = np.zeros(num_bins)
         self.weight = np.zeros(num_bins)
 
+    @property
+    def observed(self) -> bool:
+        """Whether any observation has corrected the prior yet."""
+        return bool(self.weight.any())
+
     def prior(self, lengths: ArrayLike) -> np.ndarray:
         """The length-only density, before any observation."""
         blocks = np.ceil(_lengths(lengths) / self.block_size)

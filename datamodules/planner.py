@@ -414,7 +414,8 @@ class _Step:
                                 capacity=self.config.cap, token_fallback=False)
         except CapacityError:
             trimmed = None
-        if trimmed is None or _efficiency(self.costs.cost[self.chosen], trimmed) <= _efficiency(cost, parts):
+        worse = trimmed is None or _efficiency(self.costs.cost[self.chosen], trimmed) <= _efficiency(cost, parts)
+        if worse or not self.chosen:  # an empty step would "balance" perfectly and never move the plan on
             self.chosen, self.tokens, self.cursor, self.queue = saved
             return parts
         return trimmed
@@ -428,8 +429,8 @@ class _Step:
                 return False
             if p == self.cursor - 1 and p >= self.state.cursor:
                 self.cursor -= 1
-            elif self._deadline(p) is not None:
-                self.queue[p] = self._deadline(p)
+            elif (deadline := self._deadline(p)) is not None:
+                self.queue[p] = deadline
             else:
                 continue
             del self.chosen[i]

@@ -49,6 +49,12 @@ class SparseBalanceCLI(LightningCLI):
                 f"data.max_doc_tokens={self.datamodule.max_doc_tokens} exceeds the model's "
                 f"max_position_embeddings={longest}"
             )
+        data = self.datamodule
+        if data.longbench and data.eval_longbench_max_tokens + data.eval_max_new_tokens > longest:
+            raise ConfigError(
+                f"data.eval_longbench_max_tokens={data.eval_longbench_max_tokens} plus data.eval_max_new_tokens="
+                f"{data.eval_max_new_tokens} exceeds the model's max_position_embeddings={longest}"
+            )
         if self.trainer.world_size > 1 and self.trainer._accelerator_connector.use_distributed_sampler:
             raise ConfigError(
                 "trainer.use_distributed_sampler must be false: the data module shards its own batch plan"
@@ -121,8 +127,17 @@ def main(args: list[str] | None = None) -> SparseBalanceCLI | Path | None:
         cause = _named_cause(err)
         if cause is None:
             raise
-        print(f"error: {cause}", file=sys.stderr)
+        print(f"error: {_last_line(cause)}", file=sys.stderr)
         sys.exit(2)
+
+
+def _last_line(err: BaseException) -> str:
+    """The message itself, also where a DataLoader worker raised it (torch re-raises it in the main process
+    with the worker's traceback in the message, ending with the original ``Type: message`` line)."""
+    message = str(err)
+    if message.startswith("Caught ") and "Original Traceback" in message:
+        return message.rstrip().splitlines()[-1].split(": ", 1)[-1]
+    return message
 
 
 def _named_cause(err: BaseException | None) -> BaseException | None:

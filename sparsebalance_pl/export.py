@@ -14,13 +14,16 @@ from pathlib import Path
 import torch
 
 from sparsebalance_pl.errors import ConfigError
-from sparsebalance_pl.model import ModelConfig
+from transformers import Qwen2ForCausalLM
+
+from sparsebalance_pl.model import ModelConfig, ModelDims
 
 _WEIGHTS = "net.hf."
 
 
 def read_checkpoint(ckpt_path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(module hyperparameters, Hugging Face state dict) of a Lightning checkpoint file or DCP folder."""
+    """(everything but the tensors: hyperparameters, model dimensions, loop state, ...; Hugging Face state
+    dict) of a Lightning checkpoint file or DCP folder."""
     path = Path(ckpt_path)
     if path.is_dir():
         if not (path / "meta.pt").is_file() or not (path / ".metadata").is_file():
@@ -39,23 +42,32 @@ def read_checkpoint(ckpt_path: str | Path) -> tuple[dict, dict[str, torch.Tensor
         dcp.load(state, storage_reader=reader, no_dist=True)
         weights = {key[len(prefix):]: value for key, value in state.items()}
     elif path.is_file():
-        meta = torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            meta = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as err:  # pickle and zip errors of every kind
+            raise ConfigError(f"{path} is not a readable checkpoint ({type(err).__name__}: {err})") from err
         weights = {k[len(_WEIGHTS):]: v for k, v in meta.get("state_dict", {}).items() if k.startswith(_WEIGHTS)}
     else:
         raise ConfigError(f"checkpoint {path} does not exist")
-    if not weights or "hyper_parameters" not in meta:
+    if not isinstance(meta, dict) or not weights or "hyper_parameters" not in meta:
         raise ConfigError(f"{path} holds no SparseQwen weights and hyperparameters (is it a SparseQwen checkpoint?)")
-    return meta["hyper_parameters"], weights
+    return meta, weights
 
 
 def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     """Writes the checkpoint's model as a Hugging Face directory; returns the directory."""
-    hparams, weights = read_checkpoint(ckpt_path)
-    model_cfg = hparams["model"]
-    if not isinstance(model_cfg, ModelConfig):
-        model_cfg = ModelConfig(**{k: v for k, v in model_cfg.items() if not k.startswith("_")})
-    model = model_cfg.build("sdpa")
-    model.load_state_dict(weights, strict=True)
+    meta, weights = read_checkpoint(ckpt_path)
+    if "model_dims" in meta:  # needs nothing but the checkpoint
+        model = Qwen2ForCausalLM(ModelDims(**meta["model_dims"]).to_hf_config("sdpa"))
+    else:  # a checkpoint from before the dimensions were saved: rebuild from the run's model settings
+        model_cfg = meta["hyper_parameters"]["model"]
+        if not isinstance(model_cfg, ModelConfig):
+            model_cfg = ModelConfig(**{k: v for k, v in model_cfg.items() if not k.startswith("_")})
+        model = model_cfg.build("sdpa")
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as err:
+        raise ConfigError(f"{ckpt_path}: weights do not fit the model they were saved with: {err}") from err
     out = Path(out_dir)
     model.save_pretrained(out)
     return out

@@ -41,7 +41,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                         hidden.dtype
                     )
                 if need_weight_grad:
-                    grad_weight += (grad_logits.to(compute_dtype).T @ h).float()  # tensor cores under autocast
+                    # Tensor cores under autocast; each chunk's product is rounded to the compute dtype before the
+                    # fp32 sum, as autocast's own linear layers round their weight gradients.
+                    grad_weight += (grad_logits.to(compute_dtype).T @ h).float()
         ctx.save_for_backward(
             grad_hidden if need_hidden_grad else None, grad_weight if need_weight_grad else None
         )

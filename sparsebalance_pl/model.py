@@ -150,7 +150,7 @@ class ModelConfig:
                 attn_implementation=attn_implementation,
                 torch_dtype=torch.float32,
                 local_files_only=True,
-            )
+            ).train()  # from_pretrained returns eval mode; a fresh model (and Lightning) expects train mode
             return model.to(device) if device is not None else model
         config = self.dims().to_hf_config(attn_implementation)
         with torch.device(device) if device is not None else nullcontext():

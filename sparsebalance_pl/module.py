@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import lightning as L
 import numpy as np
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 import torch
 from torch import nn
 
@@ -28,7 +29,7 @@ from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.loss import chunked_cross_entropy_sum, globally_normalised_loss
 from sparsebalance_pl.metrics import CellAccuracy, CellMeans, TokenMeanLoss
 from sparsebalance_pl.model import ModelConfig
-from sparsebalance_pl.strategy import apply_fully_shard
+from sparsebalance_pl.strategy import apply_fully_shard, gather_objects
 
 
 @dataclass
@@ -205,7 +206,7 @@ class SparseQwen(L.LightningModule):
         return AttentionContext(
             cu_seqlens=cu_seqlens,
             config=self.attention_config,
-            budgets=self.layer_budgets,
+            budgets=self.layer_budgets if self.training else self.base_budgets,  # evaluate the model, not DST
             base_budgets=self.base_budgets,
             timer=AttentionTimer(cu_seqlens.device),
             recall_rows=self.attention_config.recall_rows if self.training else 0,
@@ -290,12 +291,51 @@ class SparseQwen(L.LightningModule):
             )
         rank_zero_warn(f"non-finite loss at {where}: update skipped on every rank")
 
+    def on_fit_start(self) -> None:
+        """A fresh run measures its attention density by document length before the first epoch is planned:
+        the length prior can be far from what a trained model selects, and the batch planner would balance
+        the wrong costs for a whole epoch. Resumed runs restore the estimate instead."""
+        data = self.trainer.datamodule
+        if self.attention_config.backend == "sparse" and not self.density_estimator.observed:
+            if hasattr(data, "calibration_batches"):
+                self.calibrate_density(data.calibration_batches(min_length=self.attention_config.block_size))
+
+    @torch.no_grad()
+    def calibrate_density(self, batches: list[dict]) -> None:
+        """Forward passes over ``batches`` (the same list on every rank, shared out among the ranks) at the base
+        budget; every document's selected density, gathered in rank order, corrects the density estimate
+        identically on every rank."""
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        observed = []
+        was_training = self.training
+        self.eval()  # base budgets, no recall sampling
+        for i in range(rank, -(-len(batches) // world) * world, world):
+            batch = batches[min(i, len(batches) - 1)]  # a rank short of work repeats one: forwards are collective
+            self({k: v.to(self.device) for k, v in batch.items()})
+            if i < len(batches):
+                observed.append((self.document_lengths(batch), self.sparsity_report().base_document_density))
+        self.train(was_training)
+        self.last_context = None
+        documents = [doc for part in gather_objects(self.trainer, observed) for ls, ds in part for doc in zip(ls, ds)]
+        if not documents:
+            return
+        self.density_estimator.observe([n for n, _ in documents], [d for _, d in documents])
+        rank_zero_info(
+            f"attention density calibrated on {len(documents)} documents of {min(n for n, _ in documents)}-"
+            f"{max(n for n, _ in documents)} tokens: mean {np.mean([d for _, d in documents]):.3f} at the base budget"
+        )
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Skipped steps count over the whole run, across resumes, against ``max_nonfinite_steps``."""
+        """Skipped steps count over the whole run, across resumes, against ``max_nonfinite_steps``. The model's
+        dimensions let ``main.py export`` rebuild it without the run's ``pretrained_path`` directory."""
         checkpoint["nonfinite_steps"] = self.nonfinite_steps
+        checkpoint["model_dims"] = asdict(self.dims)
+        checkpoint["density_estimator"] = self.density_estimator.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.nonfinite_steps = checkpoint.get("nonfinite_steps", 0)  # 0: a checkpoint from before the count was saved
+        if "density_estimator" in checkpoint:
+            self.density_estimator.load_state_dict(checkpoint["density_estimator"])
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._evaluate(batch, self.val_loss, "val/loss")

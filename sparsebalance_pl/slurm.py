@@ -4,9 +4,10 @@ Lightning's own SLURM auto-requeue saves the checkpoint inside the signal handle
 thread happens to be. Under FSDP2 saving is a collective that gathers the sharded state: a rank interrupted
 inside a forward pass saves between the layers' all-gathers and the run crashes (seen here: "aten.mul.Tensor
 got mixed torch.Tensor and DTensor") or hangs (Lightning issue #21406). ``SlurmRequeue`` only notes the
-signal in the handler. At the end of the next training batch the ranks agree on it (one all-reduce of a
-flag), save ``hpc_ckpt_<n>.ckpt`` into ``trainer.default_root_dir`` together, rank 0 runs ``scontrol
-requeue`` and training stops. The requeued job's ``fit`` resumes from that checkpoint by itself: under SLURM,
+signal in the handler. At the end of the next optimiser step (the last micro-batch it accumulates) the ranks
+agree on it (one all-reduce of a flag), save ``hpc_ckpt_<n>.ckpt`` into ``trainer.default_root_dir``
+together and write out their logs, rank 0 runs ``scontrol requeue`` and training stops, without the
+validation pass an early stop would otherwise run. The requeued job's ``fit`` resumes from that checkpoint by itself: under SLURM,
 without a ``ckpt_path``, Lightning resumes from the newest ``hpc_ckpt_*`` of the default root directory.
 """
 
@@ -51,21 +52,42 @@ class SlurmRequeue(Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
     ) -> None:
-        if self._environment is None or not trainer.strategy.reduce_boolean_decision(self._signalled, all=False):
+        if self._environment is None or not _ends_optimizer_step(trainer, batch_idx):
+            return  # a checkpoint between micro-batches would lose the gradients accumulated so far
+        if not trainer.strategy.reduce_boolean_decision(self._signalled, all=False):
             return
         # One name for every rank: each listing the folder on its own could see another rank's new checkpoint.
         path = trainer.strategy.broadcast(_CheckpointConnector.hpc_save_path(trainer.default_root_dir))
         trainer.save_checkpoint(path)
+        for logger in trainer.loggers:  # scontrol requeue ends this job at once: write out the logs first
+            logger.finalize("finished")
+        trainer.strategy.barrier("slurm_requeue")
         if trainer.is_global_zero:
             _requeue(path)
+        # Stop without the validation pass Lightning runs when training stops early: the requeue's SIGTERM
+        # would cut it off. (With trainer.min_steps not yet reached Lightning goes on; SLURM then ends the job.)
+        trainer.limit_val_batches = 0
         trainer.should_stop = True
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._restore()  # a failed fit does not reach teardown
+
+    def _restore(self) -> None:
         if self._environment is not None:
             previous = self._previous_handler  # None: set outside Python, not restorable
             signal.signal(self._environment.requeue_signal, signal.SIG_DFL if previous is None else previous)
             self._environment.auto_requeue = True
             self._environment = None
+
+
+def _ends_optimizer_step(trainer: L.Trainer, batch_idx: int) -> bool:
+    """Whether this batch completes an optimiser step (the last of its accumulated micro-batches, or of the
+    epoch), as Lightning decides it."""
+    last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    return last or (batch_idx + 1) % trainer.accumulate_grad_batches == 0
 
 
 def _requeue(checkpoint: str) -> None:

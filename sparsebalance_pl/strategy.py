@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,14 +45,24 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().on_exception(exception)
         if not _is_collective_failure(exception):
             return
-        trainer = self.lightning_module.trainer
+        trainer = getattr(self.lightning_module, "_trainer", None)  # None when it failed before the module was set
+        where = f"at global step {trainer.global_step} (epoch {trainer.current_epoch})" if trainer else "at start"
         log.error(
-            f"rank {self.global_rank} at global step {trainer.global_step} (epoch {trainer.current_epoch}): a "
+            f"rank {self.global_rank} {where}: a "
             f"collective failed or did not complete within {self._timeout} (trainer.strategy.init_args.timeout, "
             "h:m:s): another rank is stuck, slower than that, or has stopped"
         )
         if self.launcher is not None:
             self.launcher.kill(signal.SIGKILL)
+
+
+def gather_objects(trainer, obj: Any) -> list:
+    """Every rank's small picklable ``obj``, in rank order (variable-length lists of documents and the like)."""
+    if trainer.world_size == 1:
+        return [obj]
+    out: list = [None] * trainer.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 _LOST_COLLECTIVE = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer")

@@ -1,6 +1,7 @@
 """Bad input the other tests leave out: split documents are reported, a chunk with a damaged header is named
-before training reads it, damaged token contents are named with their sample (also in a 2-rank run, which ends instead of hanging), and the settings that are
-only checked against each other or against the trainer stop the run with one line naming them."""
+before training reads it (also in a 2-rank run, which ends instead of hanging), damaged token contents are named
+with their sample, and the settings that are only checked against each other, against the trainer or by a
+callback stop the run with one line naming them."""
 
 import json
 
@@ -14,7 +15,7 @@ from sparsebalance_pl.datamodules.tokenizer import ByteTokenizer
 from sparsebalance_pl.errors import DataError
 
 
-def test_split_documents_are_reported_and_kept_whole(tmp_path, capfd):
+def test_split_documents_are_reported_and_no_token_is_lost(tmp_path, capfd):
     # litdata encodes in worker processes: their warnings reach stderr, not the logging capture
     text_dir = tmp_path / "text"
     text_dir.mkdir()

@@ -1,7 +1,10 @@
 """Corpus building, packing and the per-rank batch plan."""
 
 import json
+import logging
+from collections import Counter
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -19,7 +22,10 @@ from sparsebalance_pl.datamodules.sampler import (
 )
 from sparsebalance_pl.datamodules.synthetic import LengthPrior, synthetic_document
 from sparsebalance_pl.datamodules.tokenizer import ByteTokenizer
+from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.errors import DataError
+from sparsebalance_pl.model import ModelConfig
+from sparsebalance_pl.module import SparseQwen
 
 
 def test_length_prior_is_scaled_to_the_maximum():
@@ -246,3 +252,28 @@ def test_truncated_chunk_is_named(tmp_path):
     chunk.write_bytes(chunk.read_bytes()[:100])
     with pytest.raises(DataError, match=f"{chunk.name}.*truncated or corrupt"):
         load_lengths(tmp_path / "train")
+
+
+def test_fresh_fit_calibrates_the_density_estimate_before_the_first_plan(tmp_path, caplog):
+    dm = LongContextDataModule(data_dir=str(tmp_path / "data"), num_documents=80, max_doc_tokens=512, max_tokens=1024,
+                               val_fraction=0.0, batching="sab")
+    dm.prepare_data()
+    batches = dm.calibration_batches(min_length=16, per_bin=2)
+    lengths = [n for b in batches for n in torch.diff(b["cu_seqlens"]).tolist()]
+    assert all(b["input_ids"].shape[1] <= 1024 for b in batches) and min(lengths) >= 16
+    train = dm.lengths("train")
+    available = Counter(np.floor(2 * np.log2(train[train >= 16])).astype(int).tolist())  # half-octaves
+    assert Counter(np.floor(2 * np.log2(lengths)).astype(int).tolist()) == {b: min(2, c) for b, c in available.items()}
+
+    torch.manual_seed(0)
+    module = SparseQwen(model=ModelConfig(preset="demo", overrides={"num_layers": 2, "hidden_size": 64}),
+                        attention=AttentionConfig(backend="sparse", block_size=16, stride=4, tau=0.9))
+    prior_costs = module.document_costs(dm.lengths("train"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, datamodule=dm)
+    assert module.density_estimator.observed and f"calibrated on {len(lengths)} documents" in caplog.text
+    epoch, planned = dm.plan_costs
+    assert epoch == 0 and np.allclose(planned, module.document_costs(dm.lengths("train")))  # no update since
+    assert not np.allclose(planned, prior_costs)

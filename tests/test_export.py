@@ -27,10 +27,12 @@ def _trained_like_module() -> SparseQwen:
 
 
 def _save_single_file(module: SparseQwen, path) -> None:
-    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(checkpoint)  # as Lightning does
+    torch.save(checkpoint, path)
 
 
-def _save_distributed(module: SparseQwen, path) -> None:
+def _save_distributed(module: SparseQwen, path) -> None:  # without model_dims: an older checkpoint
     dcp.save({"state_dict": module.state_dict()}, checkpoint_id=str(path), no_dist=True)
     torch.save({"hyper_parameters": dict(module.hparams), "global_step": 7}, path / "meta.pt")
 
@@ -68,6 +70,9 @@ def test_bad_checkpoint_paths_are_reported(tmp_path):
     (tmp_path / "folder").mkdir()
     with pytest.raises(ConfigError, match="not a distributed checkpoint"):
         export_checkpoint(tmp_path / "folder", tmp_path / "hf")
+    (tmp_path / "text.ckpt").write_text("not a checkpoint")
+    with pytest.raises(ConfigError, match="not a readable checkpoint"):
+        export_checkpoint(tmp_path / "text.ckpt", tmp_path / "hf")
     torch.save({"state_dict": {}}, tmp_path / "other.ckpt")
     with pytest.raises(ConfigError, match="no SparseQwen weights"):
         export_checkpoint(tmp_path / "other.ckpt", tmp_path / "hf")
@@ -81,3 +86,19 @@ def test_main_py_export_writes_a_loadable_directory(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:  # a bad path is one line and exit code 2, like any bad setting
         cli.main(["export", "--ckpt_path", str(tmp_path / "missing.ckpt"), "--out_dir", str(tmp_path / "x")])
     assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_export_needs_no_longer_the_directory_the_run_started_from(tmp_path):
+    _save_single_file(_trained_like_module(), tmp_path / "a.ckpt")
+    start = export_checkpoint(tmp_path / "a.ckpt", tmp_path / "start")
+    module = SparseQwen(model=ModelConfig(pretrained_path=str(start)), attention=AttentionConfig(backend="dense"))
+    module.configure_model()
+    _save_single_file(module, tmp_path / "b.ckpt")
+    for file in start.iterdir():
+        file.unlink()
+    start.rmdir()
+    out = export_checkpoint(tmp_path / "b.ckpt", tmp_path / "hf")
+    ids = torch.randint(0, module.dims.vocab_size, (1, 24))
+    with torch.no_grad():
+        want = Qwen2ForCausalLM.from_pretrained(out, local_files_only=True)(input_ids=ids).logits
+        assert torch.allclose(_logits(module, ids), want, atol=1e-5)

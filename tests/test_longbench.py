@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import lightning as L
@@ -165,7 +166,9 @@ def test_prompts_follow_longbench_layout_and_are_cut_in_the_middle(tmp_path, cap
     assert batch["cells"].tolist() == [[0, 2], [1, 3]]  # cells: qa, qb, qa@0-4k, qb@0-4k
 
 
-def test_test_step_logs_scores_per_dataset(tmp_path):
+def _test_scores(tmp_path, next_tokens=None) -> dict:
+    """``trainer.test`` on two hotpotqa records (0-4k and 4-8k) and one trec record, plus one passkey cell;
+    ``next_tokens`` replaces the model's greedy predictions."""
     path = _write_jsonl(tmp_path / "lb.jsonl", [_record("hotpotqa", "key"), _record("hotpotqa", "cup", length=5000),
                                                  _record("trec", "pen")])
     data = LongContextDataModule(data_dir=str(tmp_path / "unused"), max_doc_tokens=256, max_tokens=512,
@@ -175,13 +178,38 @@ def test_test_step_logs_scores_per_dataset(tmp_path):
     torch.manual_seed(0)
     module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY),
                         attention=AttentionConfig(backend="sparse", block_size=16, stride=4, tau=0.9))
+    if next_tokens is not None:
+        module._greedy_next_tokens = next_tokens
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, default_root_dir=tmp_path)
     (results,) = trainer.test(module, datamodule=data, verbose=False)
+    return results
+
+
+def test_test_step_logs_scores_per_dataset(tmp_path):
+    results = _test_scores(tmp_path)
     expected = {f"test/longbench/{score}/{cell}" for score in ("f1", "exact_match")
                 for cell in ("hotpotqa", "trec", "hotpotqa@0-4k", "hotpotqa@4-8k", "trec@0-4k")}
     assert set(results) == expected | {"test/accuracy/passkey@128"}
     assert all(0.0 <= v <= 1.0 for v in results.values())
+
+
+def test_scores_are_averaged_per_dataset_and_bucket(tmp_path):
+    """An oracle answers "key" and "pen" right and "cup" wrong ("mug"): each cell's mean shows where."""
+
+    def oracle(sequences: list[list[int]]) -> list[int]:
+        predicted = []
+        for sequence in sequences:
+            text = bytes(t for t in sequence if t < 256).decode()
+            word = re.search(r"The (\w+) is in the box", text).group(1)
+            answer, so_far = ("mug" if word == "cup" else word), text.rsplit("Answer:", 1)[1]
+            predicted.append(ord(answer[len(so_far)]) if len(so_far) < len(answer) else ByteTokenizer.eos_id)
+        return predicted
+
+    results = _test_scores(tmp_path, oracle)
+    for score in ("f1", "exact_match"):
+        cells = {k.rsplit("/", 1)[1]: v for k, v in results.items() if k.startswith(f"test/longbench/{score}/")}
+        assert cells == {"hotpotqa": 0.5, "hotpotqa@0-4k": 1.0, "hotpotqa@4-8k": 0.0, "trec": 1.0, "trec@0-4k": 1.0}
 
 
 @pytest.mark.parametrize(

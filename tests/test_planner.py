@@ -103,7 +103,8 @@ print(hashlib.sha256(repr(plan).encode()).hexdigest())
 
 
 def test_plan_digest_is_the_same_in_separate_processes() -> None:
-    # What every rank computes on its own: no iteration over hash-ordered sets may steer the plan.
+    # What every rank computes on its own, in separate interpreters: object addresses and string hashing differ
+    # between them (integers hash alike everywhere), so nothing of the kind may steer the plan.
     root = Path(__file__).resolve().parent.parent
     digests = {
         subprocess.run(

@@ -1,6 +1,6 @@
 """SLURM simulated on this machine: two ranks started the way ``srun`` starts them (SLURM environment variables,
-one process per task), SLURM's warning signal in the middle of training, a checkpoint and a requeue, then the
-requeued job resuming from that checkpoint. ``scontrol`` is a stand-in on PATH that records its arguments."""
+one process per task), SLURM's warning signal in the middle of training (two micro-batches per optimiser step),
+a checkpoint at the next step boundary and a requeue, then the requeued job resuming from that checkpoint. ``scontrol`` is a stand-in on PATH that records its arguments."""
 
 import csv
 import json
@@ -21,8 +21,8 @@ MAX_STEPS = 12
 ARGS = [
     "fit", "--config", str(REPO / "configs" / "demo.yaml"),
     "--data.num_documents=120", "--data.max_doc_tokens=512", "--data.max_tokens=1024",
-    "--model.model.overrides={num_layers: 2}", "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=1",
-    f"--trainer.max_steps={MAX_STEPS}",
+    "--model.model.overrides={num_layers: 2}", "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=1",
+    f"--trainer.max_steps={MAX_STEPS}", "--data.micro_batches=2", "--trainer.accumulate_grad_batches=2",
 ]
 
 
@@ -83,10 +83,14 @@ def test_sigusr1_saves_requeues_and_the_requeued_job_resumes(tmp_path):
     assert (tmp_path / "scontrol.log").read_text() == f"requeue {JOB_ID}\n"
     checkpoint = "outputs/demo/hpc_ckpt_1.ckpt"  # in trainer.default_root_dir
     assert (tmp_path / checkpoint / ".metadata").exists()
-    saved_step = torch.load(tmp_path / checkpoint / "meta.pt", weights_only=False)["global_step"]
+    meta = torch.load(tmp_path / checkpoint / "meta.pt", weights_only=False)
+    saved_step = meta["global_step"]
     assert 2 <= saved_step < MAX_STEPS
-    # Training stopped at the checkpoint: the requeued job must not repeat or skip any step.
+    # Saved between optimiser steps, never between the two micro-batches of one (their gradients are not saved).
+    assert meta["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"] == 2 * saved_step
+    # Training stopped at the checkpoint, without validating: the requeued job must not repeat or skip any step.
     assert sorted(_logged(tmp_path, 0, "train/step_s")) == list(range(saved_step))
+    assert not _logged(tmp_path, 0, "val/loss")
 
     # Requeued job: same command and variables, no ckpt_path. A second NaN shows the skip count carried over.
     second = _finish_job(_start_job(tmp_path, free_port(), _callbacks(
