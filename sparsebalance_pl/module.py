@@ -278,8 +278,11 @@ class SparseQwen(L.LightningModule):
         """Mark this step's update to be skipped because its loss is not finite on some rank.
 
         The reported loss is already summed over ranks, so every rank reaches the same verdict and skips the
-        same update (the backward still runs everywhere, keeping the collectives of all ranks matched).
+        same update (the backward still runs everywhere, keeping the collectives of all ranks matched). A
+        step counts once however many of its accumulated micro-batches were not finite.
         """
+        if self.skip_update:
+            return
         self.skip_update = True
         self.nonfinite_steps += 1
         self.log("train/nonfinite_steps", float(self.nonfinite_steps), batch_size=1)

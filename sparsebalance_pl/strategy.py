@@ -40,19 +40,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             _share_cores(self.num_processes)
 
-
-def _share_cores(local_ranks: int) -> None:
-    """Give each rank of this node its share of the cores, as torchrun does through OMP_NUM_THREADS.
-
-    Every process otherwise starts as many threads as the node has cores: with two ranks on two cores the
-    four threads contend, steps slow down, and the rank that loses more often looks like a straggler
-    (measured on the 2-core demo: 8% longer steps, attention imbalance 1.13 instead of 1.06).
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // local_ranks)
-    if torch.get_num_threads() > threads:
-        torch.set_num_threads(threads)
-
     def on_exception(self, exception: BaseException) -> None:
         """Say which rank and step a failed collective belongs to, and stop the launched ranks.
 
@@ -71,6 +58,19 @@ def _share_cores(local_ranks: int) -> None:
         )
         if self.launcher is not None:
             self.launcher.kill(signal.SIGKILL)
+
+
+def _share_cores(local_ranks: int) -> None:
+    """Give each rank of this node its share of the cores, as torchrun does through OMP_NUM_THREADS.
+
+    Every process otherwise starts as many threads as the node has cores: with two ranks on two cores the
+    four threads contend, steps slow down, and the rank that loses more often looks like a straggler
+    (measured on the 2-core demo: 8% longer steps, attention imbalance 1.13 instead of 1.06).
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // local_ranks)
+    if torch.get_num_threads() > threads:
+        torch.set_num_threads(threads)
 
 
 def gather_objects(trainer, obj: Any) -> list:

@@ -23,6 +23,8 @@ ARGS = [
     "--data.num_documents=120", "--data.max_doc_tokens=512", "--data.max_tokens=1024",
     "--model.model.overrides={num_layers: 2}", "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=1",
     f"--trainer.max_steps={MAX_STEPS}", "--data.micro_batches=2", "--trainer.accumulate_grad_batches=2",
+    # Validation is on but not due within the run: only an early stop would start it.
+    "--trainer.check_val_every_n_epoch=null", "--trainer.val_check_interval=1000",
 ]
 
 
@@ -87,7 +89,7 @@ def test_sigusr1_saves_requeues_and_the_requeued_job_resumes(tmp_path):
     saved_step = meta["global_step"]
     assert 2 <= saved_step < MAX_STEPS
     # Saved between optimiser steps, never between the two micro-batches of one (their gradients are not saved).
-    assert meta["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"] == 2 * saved_step
+    assert meta["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"] == 2 * saved_step
     # Training stopped at the checkpoint, without validating: the requeued job must not repeat or skip any step.
     assert sorted(_logged(tmp_path, 0, "train/step_s")) == list(range(saved_step))
     assert not _logged(tmp_path, 0, "val/loss")

@@ -1,5 +1,7 @@
-"""Callbacks that inject faults into real training runs, loaded by ``class_path`` in subprocess tests."""
+"""Callbacks that inject faults into real training runs, or record them, loaded by ``class_path`` in subprocess
+tests."""
 
+import hashlib
 import time
 
 import lightning as L
@@ -49,3 +51,16 @@ class StallRank(Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             time.sleep(self.seconds)
+
+
+class RecordBatches(Callback):
+    """Appends ``<global step> <sha1 of the micro-batch's tokens>`` to ``<path>.<rank>`` for every micro-batch,
+    so that a test can compare the samples two runs consumed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        digest = hashlib.sha1(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()
+        with open(f"{self.path}.{trainer.global_rank}", "a") as f:
+            f.write(f"{trainer.global_step} {digest}\n")
