@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import math
 import time
 from dataclasses import asdict, dataclass, replace
@@ -329,8 +328,9 @@ class SparseQwen(L.LightningModule):
         )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Skipped steps count over the whole run, across resumes, against ``max_nonfinite_steps``. The model's
-        dimensions let ``main.py export`` rebuild it without the run's ``pretrained_path`` directory."""
+        """Skipped steps count over the whole run, across resumes, against ``max_nonfinite_steps``; the density
+        estimate plans the next epochs as it would have without the stop. The model's dimensions let
+        ``main.py export`` rebuild it without the run's ``pretrained_path`` directory."""
         checkpoint["nonfinite_steps"] = self.nonfinite_steps
         checkpoint["model_dims"] = asdict(self.dims)
         checkpoint["density_estimator"] = self.density_estimator.state_dict()
