@@ -58,8 +58,11 @@ class PlanItems(Dataset):
         """Damaged chunk contents can still parse: an id outside the vocabulary would end the run in the
         embedding lookup (on GPU as a device-side assert), far from its cause."""
         ids = np.asarray(tokens)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        if not ids.size:
+            return
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
             raise DataError(
                 f"{self.source}: sample {index} holds token id {bad}, outside the tokenizer's vocabulary "
                 f"[0, {self.vocab_size}): the dataset is corrupt or was built with another data.tokenizer; delete "

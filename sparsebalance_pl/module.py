@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import lightning as L
 import numpy as np
@@ -332,7 +332,7 @@ class SparseQwen(L.LightningModule):
         estimate plans the next epochs as it would have without the stop. The model's dimensions let
         ``main.py export`` rebuild it without the run's ``pretrained_path`` directory."""
         checkpoint["nonfinite_steps"] = self.nonfinite_steps
-        checkpoint["model_dims"] = asdict(self.dims)
+        checkpoint["model_dims"] = self.dims.as_dict()
         checkpoint["density_estimator"] = self.density_estimator.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
