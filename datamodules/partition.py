@@ -40,6 +40,7 @@ def partition(
     tokens: ArrayLike | None = None,
     capacity: int | None = None,
     token_fallback: bool = True,
+    start: Sequence[int] | np.ndarray | None = None,
 ) -> list[list[int]]:
     """Indices of the documents on each rank, minimising the largest summed cost over ranks.
 
@@ -50,8 +51,15 @@ def partition(
     When the cost-ordered greedy leaves a document without room (a nearly full batch), the packing falls
     back to first-fit-decreasing by tokens, rebalanced by the local search; ``token_fallback=False``
     raises ``CapacityError`` instead, so a caller that can drop a document gets a better balance.
+
+    ``start`` (a rank per document, within the capacity) replaces the greedy start: a caller that changed
+    a few documents of a balanced packing improves on it instead of packing again.
     """
     cost_n, token_n, cap = _validated(costs, num_ranks, tokens, capacity)
+    if start is not None:
+        rank_n = _validated_start(start, token_n, cap, num_ranks)
+        _refine(cost_n, token_n, cap, rank_n, num_ranks)
+        return [np.flatnonzero(rank_n == r).tolist() for r in range(num_ranks)]
     rank_n = _greedy(cost_n, token_n, cap, num_ranks)
     if not _place_leftovers(cost_n, token_n, cap, rank_n, num_ranks):
         if not token_fallback:
@@ -122,6 +130,16 @@ def _validated(
             f"({num_ranks * capacity} in all)"
         )
     return cost_n, token_n, float(capacity)
+
+
+def _validated_start(start: Sequence[int] | np.ndarray, token_n: np.ndarray, cap: float, num_ranks: int) -> np.ndarray:
+    """``start`` as a fresh int array, or a ValueError when it is no packing of these documents."""
+    rank_n = np.array(start, dtype=np.int64)
+    if rank_n.shape != token_n.shape or (rank_n.size and (rank_n.min() < 0 or rank_n.max() >= num_ranks)):
+        raise ValueError(f"start must give each of the {token_n.size} documents a rank in [0, {num_ranks})")
+    if np.bincount(rank_n, weights=token_n, minlength=num_ranks).max(initial=0.0) > cap:
+        raise ValueError(f"start puts more than the capacity of {int(cap)} tokens on a rank")
+    return rank_n
 
 
 def _greedy(cost_n: np.ndarray, token_n: np.ndarray, cap: float, num_ranks: int) -> np.ndarray:

@@ -12,9 +12,10 @@ imbalance they would cause.
 Within one step, balance is capped by the costliest document. With ``defer_window = k > 0`` an outlier
 (a segment whose micro-batch is bound to cost more than a typical full one) waits in a queue for at most
 k steps and is released with other outliers of similar cost once together they balance a step (or at its
-deadline); the last steps of the epoch flush the queue, so every document is still used exactly once per
-epoch. A global batch with fewer segments than micro-batches (only possible at the end of an epoch)
-leaves some micro-batches empty.
+deadline). Once what is left of the epoch fits in two global batches, the two are planned together, the
+waiting outliers with ordinary segments that balance them, so every document is still used exactly once
+per epoch and the queue never ends in a step of its own. A global batch with fewer segments than
+micro-batches (only possible at the end of an epoch) leaves some micro-batches empty.
 
 The plan from a ``PlanState`` is a pure function of (lengths, costs, config, state), so a resumed run
 restarts exactly at the next unconsumed global batch: save the ``state`` of the last consumed batch.
@@ -36,6 +37,9 @@ from .partition import CapacityError, partition
 
 #: A step within this fraction of its lower bound max(mean slot cost, costliest segment) is balanced.
 _BALANCE_TOLERANCE = 1e-3
+
+#: The last steps of an epoch with deferral are planned together once what is left fits in this many.
+_TAIL_STEPS = 2
 
 #: Maps document lengths (tokens, float array) to predicted seconds per document.
 CostFn = Callable[[np.ndarray], np.ndarray]
@@ -261,6 +265,9 @@ class _Step:
 
     def select(self) -> tuple[list[int], list[list[int]], PlanState]:
         """Stream positions of the chosen segments, their partition into slots, and the next state."""
+        tail_steps = self._tail_steps()
+        if tail_steps:
+            return self._select_tail(tail_steps)
         for p in self._release(flush=self.cursor >= self.stream.length.size):
             if self._fits(p):
                 self._admit(p)
@@ -277,6 +284,59 @@ class _Step:
             self.queue.pop(p, None)
         deferred = tuple(sorted(self.queue.items(), key=lambda item: (item[1], item[0])))
         return self.chosen, parts, PlanState(self.state.epoch, self.state.step + 1, self.cursor, deferred)
+
+    def _tail_steps(self) -> int:
+        """The steps the rest of the epoch (stream and queue) needs, once they are few enough to plan
+        together (at most ``_TAIL_STEPS``, and only with deferral), else 0."""
+        if not self.config.defer_window:
+            return 0
+        stream = self.stream
+        rest = int(stream.cum[-1] - stream.cum[self.cursor]) + int(stream.length[list(self.queue)].sum())
+        steps = -(-rest // self.budget)
+        return steps if steps <= min(_TAIL_STEPS, self.config.defer_window + 1) else 0
+
+    def _select_tail(self, steps: int) -> tuple[list[int], list[list[int]], PlanState]:
+        """Split everything left over the slots of the remaining ``steps`` at once, take the costliest
+        ``slots`` slots now, topped up to the slowest of them, and queue the rest for the last step.
+        One-step planning would leave the waiting outliers for a last, nearly empty step without the
+        ordinary segments that balance them."""
+        cost, length, slots = self.costs.cost, self.stream.length, self.config.slots
+        left = sorted(self.queue) + list(range(self.cursor, length.size))
+        while True:  # a nearly full tail may not pack: plan it over one more step
+            try:
+                parts = partition(cost[left], steps * slots, tokens=length[left], capacity=self.config.cap)
+                break
+            except CapacityError:
+                steps += 1
+        parts.sort(key=lambda part: -cost[[left[i] for i in part]].sum())
+        now = [[left[i] for i in part] for part in parts[:slots]]
+        later = [left[i] for part in parts[slots:] for i in part]
+        if later:
+            later = self._top_up(now, later)
+        self.chosen = [p for part in now for p in part]
+        offsets = np.cumsum([0] + [len(part) for part in now]).tolist()
+        slot_parts = [list(range(a, b)) for a, b in zip(offsets[:-1], offsets[1:])]
+        last = self.state.step + steps - 1
+        deferred = tuple(sorted((p, last) for p in later))
+        return self.chosen, slot_parts, PlanState(self.state.epoch, self.state.step + 1, length.size, deferred)
+
+    def _top_up(self, now: list[list[int]], later: list[int]) -> list[int]:
+        """Move later segments, costliest first, into this step's slots below its slowest one (the
+        outliers' level) while they fit; returns the segments still left for later steps."""
+        cost, length = self.costs.cost, self.stream.length
+        load = np.array([cost[part].sum() for part in now])
+        used = np.array([length[part].sum() for part in now])
+        level, kept = load.max(), []
+        for p in sorted(later, key=lambda p: (-cost[p], p)):
+            room = (load + cost[p] <= level) & (used + length[p] <= self.config.cap)
+            if not room.any():
+                kept.append(p)
+                continue
+            k = int(np.flatnonzero(room)[np.argmin(load[room])])
+            now[k].append(p)
+            load[k] += cost[p]
+            used[k] += length[p]
+        return kept
 
     def _release(self, flush: bool) -> list[int]:
         """Waiting segments to use now, those at their deadline (all when flushing) first."""
@@ -409,16 +469,15 @@ class _Step:
         saved = (list(self.chosen), self.tokens, self.cursor, dict(self.queue))
         while self.tokens > saved[1] - excess and self._give_back(outliers=False):
             pass
-        try:
-            trimmed = partition(self.costs.cost[self.chosen], self.config.slots, tokens=self.stream.length[self.chosen],
-                                capacity=self.config.cap, token_fallback=False)
-        except CapacityError:
-            trimmed = None
-        worse = trimmed is None or _efficiency(self.costs.cost[self.chosen], trimmed) <= _efficiency(cost, parts)
-        if worse or not self.chosen:  # an empty step would "balance" perfectly and never move the plan on
-            self.chosen, self.tokens, self.cursor, self.queue = saved
-            return parts
-        return trimmed
+        slot_of = {saved[0][i]: slot for slot, part in enumerate(parts) for i in part}
+        if self.chosen:  # an empty step would "balance" perfectly and never move the plan on
+            cost_now, tokens_now = self.costs.cost[self.chosen], self.stream.length[self.chosen]
+            trimmed = partition(cost_now, self.config.slots, tokens=tokens_now, capacity=self.config.cap,
+                                start=[slot_of[p] for p in self.chosen])
+            if _efficiency(cost_now, trimmed) > _efficiency(cost, parts):
+                return trimmed
+        self.chosen, self.tokens, self.cursor, self.queue = saved
+        return parts
 
     def _give_back(self, outliers: bool = True) -> bool:
         """Return the last admitted segment that may leave to the stream or the queue; False if none may, or

@@ -91,6 +91,19 @@ def test_never_exceeds_capacity_on_a_nearly_full_batch() -> None:
     assert max(tokens[p].sum() for p in parts) <= capacity
 
 
+def test_improves_on_a_given_start_within_capacity() -> None:
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(50, 4000, 200)
+    costs = tokens.astype(np.float64) ** 1.5
+    start = np.arange(tokens.size) % 8
+    capacity = int(np.bincount(start, weights=tokens, minlength=8).max())
+    parts = partition(costs, 8, tokens=tokens, capacity=capacity, start=start)
+    _check_cover(parts, tokens.size)
+    assert max(tokens[p].sum() for p in parts) <= capacity
+    assert _max_load(parts, costs) < np.bincount(start, weights=costs, minlength=8).max()
+    assert _max_load(parts, costs) <= costs.sum() / 8 * 1.01
+
+
 def test_deterministic_and_ties_by_index() -> None:
     costs = np.ones(6)
     assert partition(costs, 3) == partition(costs, 3) == [[0, 3], [1, 4], [2, 5]]
@@ -110,6 +123,8 @@ def test_more_ranks_than_documents_and_empty_input() -> None:
         ({"costs": [1.0, 2.0], "num_ranks": 2, "tokens": [1, 2, 3], "capacity": 5}, "one token count"),
         ({"costs": [1.0, 2.0], "num_ranks": 2, "tokens": [3, 9], "capacity": 8}, "document 1 has 9 tokens"),
         ({"costs": [1.0, 2.0, 3.0], "num_ranks": 2, "tokens": [6, 6, 6], "capacity": 8}, "18 tokens do not fit on 2 ranks"),
+        ({"costs": [1.0, 2.0], "num_ranks": 2, "start": [0, 2]}, "a rank in"),
+        ({"costs": [1.0, 2.0], "num_ranks": 2, "tokens": [5, 5], "capacity": 8, "start": [1, 1]}, "more than the capacity"),
     ],
 )
 def test_clear_errors(kwargs: dict, message: str) -> None:

@@ -83,6 +83,15 @@ def test_deferral_reaches_high_balance() -> None:
     assert balance_efficiency(plan_epoch(lengths, _cost, _config(), epoch=0)) < 0.9
 
 
+def test_last_steps_of_an_epoch_with_deferral_stay_balanced() -> None:
+    # Outliers still waiting when the stream runs out share the last two steps with ordinary documents
+    # instead of filling a last step of their own.
+    lengths = _lengths(3000)
+    batches = list(plan_epoch(lengths, _cost, _config(defer_window=8), epoch=0))
+    assert not batches[-1].state.deferred
+    assert balance_efficiency(batches[-2:]) >= 0.9
+
+
 def test_same_inputs_same_plan_other_epoch_other_plan() -> None:
     lengths = _lengths()
     config = _config(defer_window=3)
