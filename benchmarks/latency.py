@@ -34,53 +34,32 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from sparsebalance_pl.attention import AttentionConfig, LayerBudget  # noqa: E402
 from sparsebalance_pl.latency import LatencyModel  # noqa: E402
 from sparsebalance_pl.model import ModelConfig  # noqa: E402
-from sparsebalance_pl.module import SparseQwen  # noqa: E402
-from sparsebalance_pl.profiler import check_clock, device_name, profile_hardware, timed  # noqa: E402
+from sparsebalance_pl.profiler import (  # noqa: E402
+    ModelStep,
+    check_clock,
+    device_name,
+    profile_hardware,
+    random_micro_batches,
+    timed,
+)
 
 BLOCK_SIZE, STRIDE = 64, 16
 CALIBRATION_CHECKPOINTS = (0, 1, 2, 3, 5, 10, 15, 20)
 
 
-def random_batches(count: int, rng: np.random.Generator) -> list[tuple[list[int], float]]:
-    """(document lengths, density) pairs: 1-8 documents, 256-8192 tokens in total, density 0.05-1.0."""
-    batches = []
-    for _ in range(count):
-        docs = int(rng.integers(1, 9))
-        total = int(rng.integers(256, 8193))
-        cuts = np.sort(rng.choice(np.arange(1, total), size=docs - 1, replace=False))
-        batches.append((np.diff(np.concatenate([[0], cuts, [total]])).tolist(), float(rng.uniform(0.05, 1.0))))
-    return batches
-
-
 class DemoStep:
-    """Forward+backward of the demo ``SparseQwen`` on one packed micro-batch at a given density cap."""
+    """Forward+backward of the demo model on one packed micro-batch at a given density cap, timed."""
 
     def __init__(self, seed: int) -> None:
         torch.manual_seed(seed)
-        self.module = SparseQwen(
-            model=ModelConfig(preset="demo"),
-            attention=AttentionConfig(backend="sparse", block_size=BLOCK_SIZE, stride=STRIDE, tau=1.0),
-        )
-        self.module.configure_model()
-        self.dims = self.module.dims
-        self.vocab = self.dims.vocab_size
+        self.dims = ModelConfig(preset="demo").dims()
+        self.step = ModelStep(self.dims, block_size=BLOCK_SIZE, stride=STRIDE)
 
     def __call__(self, lengths: list[int], density: float) -> tuple[float, float]:
         """(wall, CPU) seconds of forward+backward."""
-        total = sum(lengths)
-        cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-        ids = torch.randint(0, self.vocab, (1, total))
-        positions = torch.cat([torch.arange(n) for n in lengths])[None]
-        targets = torch.cat([ids[0, 1:], ids.new_full((1,), -100)])[None]
-        targets[0, cu[1:] - 1] = -100
-        batch = {"input_ids": ids, "position_ids": positions, "targets": targets, "cu_seqlens": cu}
-        self.module.layer_budgets[:] = [LayerBudget(1.0, None if density >= 1 else density)] * self.dims.num_layers
-        seconds = timed(lambda: self.module(batch)[0].backward(), torch.device("cpu"))
-        self.module.zero_grad(set_to_none=True)
-        return seconds
+        return timed(self.step.workload(lengths, density), torch.device("cpu"))
 
 
 def measure(step: DemoStep, batches, passes: int, rng: np.random.Generator) -> np.ndarray:
@@ -165,8 +144,8 @@ def main() -> None:
         profile_s = time.perf_counter() - start
         print(f"profile: {profile_s:.1f} s ({'full' if args.full_profile else 'quick'} grid)")
 
-    held_out = random_batches(args.held_out, rng)
-    calib = random_batches(args.calibration, rng)
+    held_out = random_micro_batches(args.held_out, rng, 256, 8192)
+    calib = random_micro_batches(args.calibration, rng, 256, 8192)
     print(f"timing {len(held_out) + len(calib)} micro-batches x {args.passes} passes on {device}", flush=True)
     both = measure(step, held_out + calib, args.passes, rng)
     times = both[:, 0 if args.clock == "wall" else 1]
@@ -192,6 +171,8 @@ def main() -> None:
         "calibration_median_ape": curves,
         "batches": [{"lengths": n, "density": d, "measured_s": float(t), "wall_s": float(w),
                      "predicted_s": table.predict(n, d)} for (n, d), t, w in zip(held_out, held_times, both[:, 0])],
+        "calibration_batches": [{"lengths": n, "density": d, "measured_s": float(t)}
+                                for (n, d), t in zip(calib, calib_times)],
     }
     (args.out / "latency_benchmark.json").write_text(json.dumps(results, indent=1))
     predictions = {

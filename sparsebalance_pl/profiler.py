@@ -8,9 +8,13 @@ said otherwise:
   ``select_blocks(tau=1, max_density=rho)``, the same rule the training path uses to cap density;
 - selection: ``select_blocks`` on one document of each length (forward only, it is not differentiable),
   and once on a stream of several documents, to tell whether its cost follows the stream or the documents;
+  attention once on a stream of several short documents too, for the fixed cost of a call (per layer);
 - the rest of a layer: a ``Qwen2DecoderLayer`` whose attention core is a no-op, at a few token counts
   (slope: seconds per token; intercept: fixed seconds per layer);
-- embedding, final norm, LM head and chunked loss, at the same token counts.
+- embedding, final norm, LM head and chunked loss, at the same token counts;
+- the whole model (``ModelStep``) on a few packed micro-batches of random documents and densities: the
+  parts timed alone miss what joins them (layer glue, memory traffic between kernels), so the table's
+  terms are scaled to fit these steps (``LatencyModel.fit_scales``) before it is saved.
 
 Each time is the fastest of a few repetitions after a warm-up: on a shared machine contention only ever
 adds time, so the minimum is the most repeatable estimate (the benchmark measures whole steps the same way).
@@ -24,7 +28,7 @@ import logging
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Literal
@@ -35,7 +39,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import AttentionInterface
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
 
-from sparsebalance_pl.latency import LatencyModel, LatencyTable, TableMeta, cost_dims
+from sparsebalance_pl.latency import TERMS, LatencyModel, LatencyTable, TableMeta, cost_dims
 from sparsebalance_pl.loss import chunked_cross_entropy_sum
 from sparsebalance_pl.model import ModelDims
 
@@ -66,6 +70,10 @@ class ProfileGrid:
         token_counts: stream lengths for the per-token fits (at least two).
         repeats: timed repetitions per cell after the warm-up.
         cell_seconds: stop repeating a cell once this much time went into it (the quick profile's bound).
+        model_steps: whole-model steps the table's terms are fitted to (0: none).
+        model_tokens: smallest and largest token count of those steps.
+        passes: sweeps over all cells, each in a new order, keeping every cell's fastest time: a slow spell
+            of a shared machine then hits different cells in each sweep instead of a whole row.
     """
 
     lengths: tuple[int, ...]
@@ -73,19 +81,51 @@ class ProfileGrid:
     token_counts: tuple[int, ...]
     repeats: int
     cell_seconds: float
+    model_steps: int = 0
+    model_tokens: tuple[int, int] = (256, 4096)
+    passes: int = 1
 
     @classmethod
     def quick(cls, max_length: int = 8192) -> ProfileGrid:
-        """About a minute for the CPU demo model: powers of two, four densities, two samples per cell."""
-        return cls(_powers_of_two(256, max_length), (0.05, 0.15, 0.4, 1.0), (max_length // 8, max_length // 2), 2, 1.0)
+        """About a minute for the CPU demo model: powers of two, four densities, two samples per cell, eight
+        whole-model steps of up to half the longest length."""
+        token_counts = (max_length // 8, max_length // 4, max_length // 2)
+        return cls(_powers_of_two(256, max_length), (0.05, 0.15, 0.4, 1.0), token_counts, 2, 1.0,
+                   8, (max_length // 32, max_length // 2), 2)
 
     @classmethod
     def full(cls, max_length: int = 8192) -> ProfileGrid:
-        """Finer lengths (powers of two and their 1.5x), eight densities, five samples per cell."""
+        """Finer lengths (powers of two and their 1.5x), eight densities, five samples per cell, sixteen
+        whole-model steps up to the longest length."""
         powers = _powers_of_two(128, max_length)
         lengths = tuple(sorted({*powers, *(p * 3 // 2 for p in powers if p * 3 // 2 <= max_length)}))
         densities = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
-        return cls(lengths, densities, tuple(max_length // d for d in (16, 8, 4, 2)), 5, 5.0)
+        return cls(lengths, densities, tuple(max_length // d for d in (16, 8, 4, 2)), 5, 5.0,
+                   16, (max_length // 32, max_length), 3)
+
+    def model_step_batches(self, seed: int) -> list[tuple[list[int], float]]:
+        """The whole-model steps: first the extremes that tell the terms apart (one long document, dense
+        and at the lowest density: attention against tokens; eight short ones at the lowest density:
+        tokens and per-call costs), then random ones of 1 to 8 documents, ``model_tokens`` in total."""
+        longest, low = self.model_tokens[1], self.densities[0]
+        extremes = [([longest], 1.0), ([longest], low), ([longest // 8] * 8, low)]
+        rng = np.random.default_rng([seed, 2])  # not the stream a benchmark's held-out batches come from
+        random = random_micro_batches(max(self.model_steps - len(extremes), 0), rng, *self.model_tokens)
+        return (extremes + random)[: self.model_steps]
+
+
+def random_micro_batches(
+    count: int, rng: np.random.Generator, min_tokens: int, max_tokens: int
+) -> list[tuple[list[int], float]]:
+    """(document lengths, density) pairs: 1-8 documents cut at random from ``min_tokens`` to ``max_tokens``
+    tokens in total, density uniform in [0.05, 1]."""
+    batches = []
+    for _ in range(count):
+        docs = int(rng.integers(1, 9))
+        total = int(rng.integers(max(min_tokens, docs), max_tokens + 1))
+        cuts = np.sort(rng.choice(np.arange(1, total), size=docs - 1, replace=False))
+        batches.append((np.diff(np.concatenate([[0], cuts, [total]])).tolist(), float(rng.uniform(0.05, 1.0))))
+    return batches
 
 
 def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
@@ -185,11 +225,11 @@ class _Bench:
     def _cu_seqlens(self, tokens: int, docs: int = 1) -> torch.Tensor:
         return torch.linspace(0, tokens, docs + 1, device=self.device).round().to(torch.int32)
 
-    def attention(self, length: int, density: float) -> Callable[[], None]:
+    def attention(self, length: int, density: float, docs: int = 1) -> Callable[[], None]:
         from sparsebalance_pl.kernels import block_sparse_attention, select_blocks
 
         q, k, v = self._qkv(length, grad=True)
-        cu = self._cu_seqlens(length)
+        cu = self._cu_seqlens(length, docs)
         mask = select_blocks(
             q.detach(), k.detach(), cu, block_size=self.block_size, tau=1.0, stride=self.stride,
             max_density=None if density >= 1.0 else density,
@@ -235,6 +275,46 @@ class _Bench:
         return run
 
 
+class ModelStep:
+    """Forward+backward of the whole model as training runs it (``SparseQwen``: sparse attention at tau 1
+    with the density capped, chunked loss) on packed micro-batches of random tokens."""
+
+    def __init__(self, dims: ModelDims, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 block_size: int = 64, stride: int = 16) -> None:
+        from sparsebalance_pl.attention import AttentionConfig
+        from sparsebalance_pl.model import ModelConfig
+        from sparsebalance_pl.module import SparseQwen
+
+        self.device = torch.device(device)
+        self.module = SparseQwen(
+            model=ModelConfig(overrides=dims.as_dict()),
+            attention=AttentionConfig(backend="sparse", block_size=block_size, stride=stride, tau=1.0),
+        )
+        self.module.configure_model()
+        self.module.to(self.device, dtype)
+        self.num_layers, self.vocab_size = dims.num_layers, dims.vocab_size
+
+    def workload(self, lengths: list[int], density: float) -> Callable[[], None]:
+        """A call that runs one step on ``lengths`` documents with at most ``density`` of each one's blocks."""
+        from sparsebalance_pl.attention import LayerBudget
+
+        total = sum(lengths)
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=self.device)
+        ids = torch.randint(0, self.vocab_size, (1, total), device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])[None]
+        targets = torch.cat([ids[0, 1:], ids.new_full((1,), -100)])[None]
+        targets[0, cu[1:] - 1] = -100
+        batch = {"input_ids": ids, "position_ids": positions, "targets": targets, "cu_seqlens": cu}
+        budget = LayerBudget(1.0, None if density >= 1 else density)
+
+        def run() -> None:
+            self.module.layer_budgets[:] = [budget] * self.num_layers
+            self.module(batch)[0].backward()
+            self.module.zero_grad(set_to_none=True)
+
+        return run
+
+
 def profile_hardware(
     dims: ModelDims,
     *,
@@ -263,8 +343,13 @@ def profile_hardware(
         [("attention", n, rho) for n in grid.lengths for rho in grid.densities]
         + [("selection", n, 1) for n in grid.lengths]
         + [("selection", scope_tokens, SCOPE_DOCS), ("selection", scope_tokens // SCOPE_DOCS, 1)]
+        + [("attention", SCOPE_DOCS * grid.lengths[0], 1.0, SCOPE_DOCS)]
         + [(part, n, None) for part in ("layer", "head") for n in grid.token_counts]
+        + [("model", i, None) for i in range(grid.model_steps)]
     )
+    cells = list(dict.fromkeys(cells))  # the scope cells can repeat grid cells
+    step_batches = grid.model_step_batches(seed)
+    shuffle = np.random.default_rng([seed, 3])
     times: dict[tuple, float] = {}
     columns = (TextColumn("profiling {task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), Progress(
@@ -272,22 +357,39 @@ def profile_hardware(
     ) as bar:
         torch.manual_seed(seed)
         bench = _Bench(dims, device, dtype, block_size, stride)
-        task = bar.add_task("", total=len(cells))
-        for cell in cells:
-            part, n, extra = cell
-            bar.update(task, description=f"{part} {n}" + (f" @ {extra:g}" if part == "attention" else ""))
-            if cell not in times:
-                workload = {
-                    "attention": lambda: bench.attention(n, extra),
-                    "selection": lambda: bench.selection(n, extra),
-                    "layer": lambda: bench.layer_rest(n),
-                    "head": lambda: bench.head(n),
-                }[part]()
-                times[cell] = measure_seconds(
-                    workload, device=device, repeats=grid.repeats, budget=grid.cell_seconds, clock=clock
-                )
+        kernels = dict(device=device, dtype=dtype, block_size=block_size, stride=stride)
+        whole = ModelStep(dims, **kernels) if grid.model_steps else None
+        task = bar.add_task("", total=grid.passes * len(cells))
+        sweeps = [cells] + [[cells[i] for i in shuffle.permutation(len(cells))] for _ in range(grid.passes - 1)]
+        for cell in (cell for sweep in sweeps for cell in sweep):
+            part, n, extra, *docs = cell
+            if part == "model":
+                lengths, density = step_batches[n]
+                bar.update(task, description=f"model step {sum(lengths)} @ {density:g}")
+            else:
+                bar.update(task, description=f"{part} {n}" + (f" @ {extra:g}" if part == "attention" else ""))
+            workload = {
+                "attention": lambda: bench.attention(n, extra, *docs),
+                "selection": lambda: bench.selection(n, extra),
+                "layer": lambda: bench.layer_rest(n),
+                "head": lambda: bench.head(n),
+                "model": lambda: whole.workload(*step_batches[n]),
+            }[part]()
+            try:
+                seconds = measure_seconds(workload, device=device, repeats=grid.repeats, budget=grid.cell_seconds,
+                                          clock=clock)
+            except torch.OutOfMemoryError:
+                if part != "model":
+                    raise
+                # Training may fit only with activation checkpointing: fit the terms to the steps that ran.
+                log.warning("whole-model step of %d tokens ran out of memory; left out of the fit", sum(lengths))
+                seconds = np.inf
+            times[cell] = min(times.get(cell, np.inf), seconds)
             bar.advance(task)
-    model = LatencyModel(_table(times, grid, dims, device, dtype, block_size, stride, scope_tokens, clock))
+    table = _table(times, grid, dims, device, dtype, block_size, stride, scope_tokens, clock)
+    steps = [(lengths, density, times[("model", i, None)]) for i, (lengths, density) in enumerate(step_batches)]
+    steps = [step for step in steps if np.isfinite(step[2])]
+    model = LatencyModel(_fitted_to_steps(table, steps) if steps else table)
     if output is not None:
         model.save(output)
     return model
@@ -312,6 +414,12 @@ def _table(
     one_doc = times[("selection", scope_tokens, 1)]
     per_doc = SCOPE_DOCS * times[("selection", scope_tokens // SCOPE_DOCS, 1)]
     scope = "stream" if abs(np.log(packed / one_doc)) <= abs(np.log(packed / per_doc)) else "document"
+    # One attention call per layer serves every document of a stream, so its fixed cost (what packing
+    # SCOPE_DOCS short documents into one call saves over as many calls) is per layer, not per document.
+    short = grid.lengths[0]
+    attention = np.array([[times[("attention", n, rho)] for rho in grid.densities] for n in grid.lengths])
+    saved = SCOPE_DOCS * times[("attention", short, 1.0)] - times[("attention", SCOPE_DOCS * short, 1.0, SCOPE_DOCS)]
+    call = min(max(saved / (SCOPE_DOCS - 1), 0.0), 0.9 * attention.min())  # every document still costs time
     meta = TableMeta(
         dims=cost_dims(dims),
         block_size=block_size,
@@ -320,20 +428,36 @@ def _table(
         dtype=str(dtype).removeprefix("torch."),
         versions=library_versions(),
         source="profile",
-        notes={"grid": grid.__dict__, "clock": clock, "selection_packed_vs_single": packed / one_doc},
+        notes={"grid": grid.__dict__, "clock": clock, "selection_packed_vs_single": packed / one_doc,
+               "attention_call_seconds": float(call)},
     )
     return LatencyTable(
         meta=meta,
         lengths=np.asarray(grid.lengths, dtype=np.float64),
         densities=np.asarray(grid.densities, dtype=np.float64),
-        attention=[[times[("attention", n, rho)] for rho in grid.densities] for n in grid.lengths],
+        attention=attention - call,
         selection=[times[("selection", n, 1)] for n in grid.lengths],
         token_layer=token_layer,
         token_head=token_head,
-        layer_overhead=layer_overhead,
+        layer_overhead=layer_overhead + call,
         model_overhead=model_overhead,
         selection_scope=scope,
     )
+
+
+def _fitted_to_steps(table: LatencyTable, steps: list[tuple[list[int], float, float]]) -> LatencyTable:
+    """The table with its terms scaled to fit the whole-model steps; the scales and the steps' median
+    absolute percentage error before and after go into its notes."""
+    parts = LatencyModel(table)
+    scales = parts.fit_scales(steps)
+    fitted = LatencyModel(table.scaled(scales))
+
+    def median_error(model: LatencyModel) -> float:
+        return float(np.median([abs(model.predict(n, d) / t - 1) for n, d, t in steps]))
+
+    notes = {**table.meta.notes, "model_step_scales": dict(zip(TERMS, scales.tolist())),
+             "model_step_error_parts": median_error(parts), "model_step_error_fitted": median_error(fitted)}
+    return replace(fitted.table, meta=replace(table.meta, notes=notes))
 
 
 def _line(seconds: list[float], counts: np.ndarray) -> tuple[float, float]:

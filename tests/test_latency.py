@@ -15,6 +15,7 @@ from sparsebalance_pl.latency import (
     cost_dims,
 )
 from sparsebalance_pl.model import PRESETS
+from sparsebalance_pl.profiler import random_micro_batches
 
 DEMO = PRESETS["demo"]
 
@@ -42,17 +43,9 @@ def noisy_table(seed: int = 0) -> LatencyModel:
     )
 
 
-def random_batches(count: int, seed: int) -> list[tuple[np.ndarray, float]]:
+def random_batches(count: int, seed: int) -> list[tuple[list[int], float]]:
     """Micro-batches like the issue's: 1-8 documents, 256-8192 tokens, density 0.05-1."""
-    rng = np.random.default_rng(seed)
-    batches = []
-    for _ in range(count):
-        docs = int(rng.integers(1, 9))
-        total = int(rng.integers(max(256, docs), 8193))
-        cuts = np.sort(rng.choice(np.arange(1, total), size=docs - 1, replace=False)) if docs > 1 else []
-        lengths = np.diff(np.concatenate([[0], cuts, [total]]))
-        batches.append((lengths, float(rng.uniform(0.05, 1.0))))
-    return batches
+    return random_micro_batches(count, np.random.default_rng(seed), 256, 8192)
 
 
 def median_ape(model: LatencyModel, truth: LatencyModel, batches) -> float:
@@ -108,6 +101,30 @@ def test_density_for_round_trips_and_reports_unreachable_times():
         assert above.value.density == 1.0
         assert model.density_for(lengths, 2 * dense, clip=True) == 1.0
         assert model.density_for(lengths, 0.5 * fastest, clip=True) == model.min_density
+
+
+def test_scaled_multiplies_one_term_or_all():
+    table = noisy_table(1).table
+    lengths = [300, 2000, 5000]
+    base = LatencyModel(table).breakdown(lengths, 0.3)
+    per_term = LatencyModel(table.scaled([0.5, 2.0, 3.0, 4.0])).breakdown(lengths, 0.3)
+    assert [per_term[k] / base[k] for k in ("tokens", "attention", "selection")] == pytest.approx([0.5, 2.0, 3.0])
+    common = LatencyModel(table.scaled(2.0))
+    assert common.predict(lengths, 0.3) == pytest.approx(2 * LatencyModel(table).predict(lengths, 0.3))
+
+
+def test_fit_scales_recovers_how_the_parts_compose_from_a_few_whole_steps():
+    """The profiler's last step: the table's terms are each off by their own factor in the whole model."""
+    truth = noisy_table(2)
+    truth.calibration.log_scales = np.log([1.5, 1.8, 1.2, 1.0])
+    parts = noisy_table(2)
+    rng = np.random.default_rng(3)
+    steps = [(n, d, truth.predict(n, d) * rng.lognormal(0, 0.02)) for n, d in random_batches(8, seed=4)]
+    scales = parts.fit_scales(steps)
+    assert scales[:2] == pytest.approx([1.5, 1.8], rel=0.1)
+    held_out = random_batches(40, seed=5)
+    assert median_ape(parts, truth, held_out) > 0.2
+    assert median_ape(LatencyModel(parts.table.scaled(scales)), truth, held_out) < 0.05
 
 
 def test_observe_recovers_from_a_doubled_table():

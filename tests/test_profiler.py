@@ -13,7 +13,10 @@ from sparsebalance_pl.model import ModelDims
 from sparsebalance_pl.profiler import ProfileGrid, latency_model_for_run, measure_seconds, profile_hardware
 
 TINY = ModelDims(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=128)
-TINY_GRID = ProfileGrid(lengths=(128, 256), densities=(0.5, 1.0), token_counts=(128, 2048), repeats=2, cell_seconds=0.5)
+TINY_GRID = ProfileGrid(
+    lengths=(128, 256), densities=(0.5, 1.0), token_counts=(128, 2048), repeats=2, cell_seconds=0.5,
+    model_steps=3, model_tokens=(128, 512),
+)
 KERNELS = dict(block_size=32, stride=8)
 
 
@@ -46,6 +49,10 @@ def test_tiny_profile_measures_every_part_and_describes_itself(tiny_profile):
     assert meta.dims["num_layers"] == 2 and meta.dims["head_dim"] == 32
     assert (meta.block_size, meta.stride, meta.dtype) == (32, 8, "float32")
     assert set(meta.versions) == {"torch", "triton", "transformers"}
+    # The parts' terms are scaled to the whole-model steps, and a call's fixed cost moved to the layer.
+    scales = np.array(list(meta.notes["model_step_scales"].values()))
+    assert scales.shape == (4,) and np.all(np.isfinite(scales)) and np.all(scales > 0)
+    assert meta.notes["model_step_error_fitted"] >= 0 and meta.notes["attention_call_seconds"] >= 0
     loaded = LatencyModel.from_file(path, TINY, **KERNELS)
     assert loaded.predict([100, 200], 0.7) == pytest.approx(model.predict([100, 200], 0.7))
     assert model.predict([256], 1.0) > model.predict([128], 1.0)
@@ -93,3 +100,24 @@ def test_run_start_falls_back_to_the_prior_or_a_profile_for_bad_tables(tmp_path,
     latency_model_for_run(path, TINY, device="cpu", **KERNELS)
     assert profiled and profiled[0]["output"] == path and profiled[0]["quick"]
     assert "num_layers: table 3 != model 2" in caplog.text
+
+
+def test_whole_model_steps_that_run_out_of_memory_are_left_out_of_the_fit(monkeypatch, caplog):
+    from sparsebalance_pl.profiler import ModelStep
+
+    real = ModelStep.workload
+
+    def workload(self, lengths, density):
+        if len(lengths) == 1:  # the long single documents of the grid's extremes
+            def oom():
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return oom
+        return real(self, lengths, density)
+
+    monkeypatch.setattr(ModelStep, "workload", workload)
+    grid = ProfileGrid(lengths=(128, 256), densities=(0.5, 1.0), token_counts=(128, 512), repeats=1,
+                       cell_seconds=0.2, model_steps=5, model_tokens=(128, 512))
+    with caplog.at_level(logging.WARNING):
+        model = profile_hardware(TINY, grid=grid, progress=False, **KERNELS)
+    assert "ran out of memory; left out of the fit" in caplog.text
+    assert np.isfinite(model.table.meta.notes["model_step_error_fitted"])
