@@ -4,8 +4,10 @@ Every rank waits for the slowest at each collective, so the objective is the lar
 per-rank token capacity (memory). ``partition`` starts from the longest-processing-time greedy (largest
 cost first, onto the lightest rank with room) and improves it by a local search of moves, swaps and
 trades (one document for several cheaper per token, which balances against ranks full of cheap ones) out
-of the heaviest rank. The result is deterministic (ties go to the lower index), which lets every rank
-compute the same plan without talking. ``karmarkar_karp`` is the cost-only baseline the benchmarks compare with.
+of the heaviest rank; on small batches it also refines Karmarkar-Karp's packing, when that fits the
+capacity, and keeps the lighter of the two. The result is deterministic (ties go to the lower index), which
+lets every rank compute the same plan without talking. ``karmarkar_karp`` is the cost-only baseline the
+benchmarks compare with.
 """
 
 from __future__ import annotations
@@ -67,8 +69,10 @@ def partition(
         _refine(cost_n, token_n, cap, rank_n, num_ranks)
         return [np.flatnonzero(rank_n == r).tolist() for r in range(num_ranks)]
     rank_n = _greedy(cost_n, token_n, cap, num_ranks)
-    if cost_n.size * num_ranks <= _DIFFERENCING_WORK:
-        rank_n = _better_of(rank_n, _differencing_start(cost_n, token_n, cap, num_ranks), cost_n, token_n, cap, num_ranks)
+    if cost_n.size * num_ranks <= _DIFFERENCING_WORK and np.all(rank_n >= 0):
+        differencing = _differencing_start(cost_n, token_n, cap, num_ranks)
+        if differencing is not None:
+            rank_n = _lighter_after_refining([rank_n, differencing], cost_n, token_n, cap, num_ranks)
     if not _place_leftovers(cost_n, token_n, cap, rank_n, num_ranks):
         if not token_fallback:
             unplaced = int(np.flatnonzero(rank_n < 0)[0])
@@ -149,18 +153,13 @@ def _differencing_start(cost_n: np.ndarray, token_n: np.ndarray, cap: float, num
     return rank_n if fits else None
 
 
-def _better_of(
-    greedy_n: np.ndarray, other_n: np.ndarray | None, cost_n: np.ndarray, token_n: np.ndarray, cap: float, num_ranks: int
+def _lighter_after_refining(
+    starts: list[np.ndarray], cost_n: np.ndarray, token_n: np.ndarray, cap: float, num_ranks: int
 ) -> np.ndarray:
-    """The greedy start unless ``other_n`` (a complete packing) is lighter after both are refined; the greedy
-    one may still miss documents, which ``partition`` then places and refines."""
-    if other_n is None or np.any(greedy_n < 0):
-        return greedy_n
-    refined = [greedy_n.copy(), other_n]
-    for rank_n in refined:
+    """Each complete packing refined in place; the one with the lightest heaviest rank (the first on ties)."""
+    for rank_n in starts:
         _refine(cost_n, token_n, cap, rank_n, num_ranks)
-    loads = [np.bincount(rank_n, weights=cost_n, minlength=num_ranks).max() for rank_n in refined]
-    return refined[int(loads[1] < loads[0])]
+    return min(starts, key=lambda rank_n: np.bincount(rank_n, weights=cost_n, minlength=num_ranks).max())
 
 
 def _validated_start(start: Sequence[int] | np.ndarray, token_n: np.ndarray, cap: float, num_ranks: int) -> np.ndarray:

@@ -82,7 +82,8 @@ def profile(argv: list[str]) -> Path:
     parser = argparse.ArgumentParser(prog="main.py profile", description=profile.__doc__)
     parser.add_argument("--config", required=True, help="a fit configuration (its model and data sections)")
     parser.add_argument("--output", help="table path (default: the configuration's model.latency_table)")
-    parser.add_argument("--full", action="store_true", help="the finer full grid instead of the quick one (several times longer)")
+    parser.add_argument("--full", action="store_true",
+                        help="the finer full grid instead of the quick one (several times longer)")
     parser.add_argument("--device", help="default: cuda when available, else cpu")
     parsed = parser.parse_args(argv)
     from sparsebalance_pl.profiler import profile_hardware
