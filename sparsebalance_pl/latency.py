@@ -212,7 +212,7 @@ class OnlineCalibration:
     single disturbed measurement (a busy machine) barely moves the fit. ``noise`` 0.1 is the scatter of
     step times on a shared CPU, and ``term`` 0.5 keeps each term within about 1.6x of the others a priori:
     with 0.05 and 1.0 two observations of similar batches swung one term far enough to push the held-out
-    error from 7% to 20-34% before later steps pulled it back (``benchmarks/latency.py``).
+    error from 7% to 20-70% before later steps pulled it back (``benchmarks/latency.py``).
     """
 
     forgetting: float = 0.95
