@@ -64,10 +64,17 @@ def partition(
     a few documents of a balanced packing improves on it instead of packing again.
     """
     cost_n, token_n, cap = _validated(costs, num_ranks, tokens, capacity)
-    if start is not None:
+    if start is None:
+        rank_n = _packed(cost_n, token_n, cap, num_ranks, token_fallback)
+    else:
         rank_n = _validated_start(start, token_n, cap, num_ranks)
-        _refine(cost_n, token_n, cap, rank_n, num_ranks)
-        return [np.flatnonzero(rank_n == r).tolist() for r in range(num_ranks)]
+    _refine(cost_n, token_n, cap, rank_n, num_ranks)
+    return [np.flatnonzero(rank_n == r).tolist() for r in range(num_ranks)]
+
+
+def _packed(cost_n: np.ndarray, token_n: np.ndarray, cap: float, num_ranks: int, token_fallback: bool) -> np.ndarray:
+    """A rank per document within the capacity: the greedy packing (or Karmarkar-Karp's, refined, when it is
+    the lighter), documents it left without room fitted in, else first-fit-decreasing by tokens."""
     rank_n = _greedy(cost_n, token_n, cap, num_ranks)
     if cost_n.size * num_ranks <= _DIFFERENCING_WORK and np.all(rank_n >= 0):
         differencing = _differencing_start(cost_n, token_n, cap, num_ranks)
@@ -81,8 +88,7 @@ def partition(
                 f"room on {num_ranks} ranks of {int(cap)} tokens ({int(token_n.sum())} tokens in all)"
             )
         rank_n = _first_fit_decreasing(token_n, cap, num_ranks)
-    _refine(cost_n, token_n, cap, rank_n, num_ranks)
-    return [np.flatnonzero(rank_n == r).tolist() for r in range(num_ranks)]
+    return rank_n
 
 
 def karmarkar_karp(costs: ArrayLike, num_ranks: int) -> list[list[int]]:

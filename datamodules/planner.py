@@ -310,9 +310,7 @@ class _Step:
                 steps += 1
         parts.sort(key=lambda part: -cost[[left[i] for i in part]].sum())
         now = [[left[i] for i in part] for part in parts[:slots]]
-        later = [left[i] for part in parts[slots:] for i in part]
-        if later:
-            later = self._top_up(now, later)
+        later = self._top_up(now, [left[i] for part in parts[slots:] for i in part])
         self.chosen = [p for part in now for p in part]
         offsets = np.cumsum([0] + [len(part) for part in now]).tolist()
         slot_parts = [list(range(a, b)) for a, b in zip(offsets[:-1], offsets[1:])]
