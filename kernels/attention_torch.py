@@ -76,36 +76,64 @@ def _plan(layout: TileLayout) -> _Plan:
 
 
 def _build_plan(layout: TileLayout) -> _Plan:
-    block, nb = layout.block_size, layout.num_blocks
+    """Every chunk's slot lists and token masks come from a few whole-stream ops, then are sliced per chunk
+    (a loop of small ops per chunk cost about 5% of a whole forward and backward)."""
+    block, nb, device = layout.block_size, layout.num_blocks, layout.row_ptr.device
     counts = layout.row_ptr[1:] - layout.row_ptr[:-1]
     order = torch.argsort(counts, descending=True, stable=True)
-    sorted_counts = counts[order].tolist()
-    active = sum(1 for c in sorted_counts if c > 0)
+    widths = counts[order].tolist()
+    active = sum(1 for c in widths if c > 0)
     order = order[:active]
+    if active == 0:
+        return _Plan(order, [])
+    # Chunks of consecutive sorted rows, every row padded to its chunk's first (widest) row.
+    bounds, start = [], 0
+    while start < active:
+        stop = min(start + max(1, _CHUNK_ELEMENTS // (widths[start] * block * block)), active)
+        bounds.append((start, stop, widths[start]))
+        start = stop
+    starts, stops, chunk_widths = (torch.tensor(column, device=device) for column in zip(*bounds))
+    sizes = stops - starts
+    row_width = torch.repeat_interleave(chunk_widths, sizes)
+    row_local = torch.arange(active, device=device) - torch.repeat_interleave(starts, sizes)
+    # One element per (row, slot), rows in plan order: chunk i owns elements row_end[start_i - 1]..
+    row_end = torch.cumsum(row_width, 0)
+    elem_row = torch.repeat_interleave(torch.arange(active, device=device), row_width)
+    slot = torch.arange(int(row_end[-1]), device=device) - (row_end - row_width)[elem_row]
+    rows = order[elem_row]
+    valid = slot < counts[rows]
+    tile = torch.where(valid, layout.row_ptr[rows] + slot, 0)
+    full = valid & ~layout.tile_partial[tile]
+    kb = torch.where(valid, layout.tile_col[tile], nb)
+    kv_slots = ((rows // nb) // layout.group_size) * (nb + 1) + kb
+    # Token masks of the tiles that need one (partial tiles and padding slots), computed once per distinct
+    # (query block, key block): heads share them.
+    masked = torch.nonzero(~full).squeeze(1)
+    tiles, which = torch.unique((rows[masked] % nb) * (nb + 1) + kb[masked], return_inverse=True)
     pad = (nb + 1) * block - layout.num_tokens
     doc_q = torch.cat([layout.doc, layout.doc.new_full((pad,), -1)])
     doc_k = torch.cat([layout.doc, layout.doc.new_full((pad,), -2)])  # padding and dummy never match
-    offs = torch.arange(block, device=counts.device)
-    chunks, start = [], 0
-    while start < active:
-        width = sorted_counts[start]
-        stop = min(start + max(1, _CHUNK_ELEMENTS // (width * block * block)), active)
-        rows = order[start:stop]
-        slot = torch.arange(width, device=counts.device)
-        valid = slot[None, :] < counts[rows, None]
-        tile = torch.where(valid, layout.row_ptr[rows, None] + slot, 0)
-        kb = torch.where(valid, layout.tile_col[tile], nb)
-        kv_head = (rows // nb) // layout.group_size
-        mask_row, mask_slot = torch.where(~valid | layout.tile_partial[tile])
-        qpos = (rows[mask_row] % nb)[:, None] * block + offs
-        kpos = kb[mask_row, mask_slot][:, None] * block + offs
-        allowed = (doc_q[qpos][:, :, None] == doc_k[kpos][:, None, :]) & (kpos[:, None, :] <= qpos[:, :, None])
-        # Softmax turns a row of -inf into NaN: remember the tokens that have no allowed key at all.
-        reachable = (valid & ~layout.tile_partial[tile]).sum(dim=1, keepdim=True) * block
-        reachable = reachable.expand(-1, block).index_add(0, mask_row, allowed.sum(dim=-1))
-        empty = torch.where(reachable == 0) if bool((reachable == 0).any()) else None
-        chunks.append(_Chunk(start, stop, kv_head[:, None] * (nb + 1) + kb, mask_row, mask_slot, ~allowed, empty))
-        start = stop
+    offs = torch.arange(block, device=device)
+    qpos = (tiles // (nb + 1))[:, None] * block + offs
+    kpos = (tiles % (nb + 1))[:, None] * block + offs
+    allowed = (doc_q[qpos][:, :, None] == doc_k[kpos][:, None, :]) & (kpos[:, None, :] <= qpos[:, :, None])
+    # Softmax turns a row of -inf into NaN: remember the tokens that have no allowed key at all.
+    reachable = torch.zeros(active, dtype=torch.long, device=device).index_add_(0, elem_row, full.long()) * block
+    reachable = reachable[:, None].expand(-1, block).index_add(0, elem_row[masked], allowed.sum(dim=-1)[which])
+    empty_row, empty_offset = torch.nonzero(reachable == 0, as_tuple=True)
+    # Slice per chunk: masked elements and empty tokens come sorted by element and by row.
+    elem_cut = torch.cat([row_end.new_zeros(1), row_end[stops - 1]])
+    mask_cut = torch.searchsorted(masked, elem_cut).tolist()
+    empty_cut = torch.searchsorted(empty_row, torch.cat([starts[:1], stops])).tolist()
+    elem_cut = elem_cut.tolist()
+    mask_row, mask_slot, blocked = row_local[elem_row[masked]], slot[masked], (~allowed)[which]
+    empty_local = row_local[empty_row]
+    chunks = []
+    for i, (a, b, width) in enumerate(bounds):
+        m, z = slice(mask_cut[i], mask_cut[i + 1]), slice(empty_cut[i], empty_cut[i + 1])
+        empty = (empty_local[z], empty_offset[z]) if z.stop > z.start else None
+        slots = kv_slots[elem_cut[i] : elem_cut[i + 1]].view(b - a, width)
+        chunks.append(_Chunk(a, b, slots, mask_row[m], mask_slot[m], blocked[m], empty))
     return _Plan(order, chunks)
 
 

@@ -109,6 +109,15 @@ def test_rows_without_allowed_keys_give_zero_not_nan(backend):
     assert torch.all(grad_q[32:48, 0] == 0)
 
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_mask_gives_zero_output_and_gradients(backend):
+    q, k, v, mask, cu = packed_case(6, 100, 2, 1, 16, 16, always_kept=False, device=device_for(backend))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = block_sparse_attention(q, k, v, torch.zeros_like(mask), cu, block_size=16, backend=backend)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert torch.all(out == 0) and all(torch.all(g == 0) for g in grads)
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs(backend, dtype):
