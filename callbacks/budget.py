@@ -2,12 +2,16 @@
 
 Every rank predicts its micro-batch's time at the base budget and at the ends of its allowed range, the
 ranks share these few numbers, and all agree on an anchor time A. Each rank then moves toward A: its
-density target is the density at which its predicted time equals A, bounded to [rho0 - p, rho0 + p] around
-its effective base density rho0. The move becomes the pair (tau, max_density): tau moves by the same
-amount as the density target (within [tau0 - p, tau0 + p]), which sets the accuracy where attention is
-sharp; a straggler's cap is its density target, which bounds its time where attention is near-uniform and
-tau barely moves cost. A fast rank gets no tighter cap than its base one (rho0 is an estimate, and a cap
-below the true base density would make it sparser, not denser): tau alone makes it denser.
+density target is the density at which its predicted time equals A. The move becomes the pair (tau,
+max_density):
+
+- tau moves by the same amount as the density target, within [tau0 - p, tau0 + p]; it sets the accuracy
+  floor where attention is sharp (there a small change of tau moves density a lot);
+- a straggler's cap is its density target, chosen from the latency model and not bounded by p (down to a
+  floor, ``min_density``): it is what guarantees the time where attention is near-uniform and tau barely
+  moves cost, and where attention is sharp it cuts the blocks of least mass;
+- a fast rank gets no tighter cap than its base one (the base density is an estimate, and a cap below the
+  true base density would make it sparser, not denser): tau alone makes it denser, by at most p.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ _TIMED = np.array([name in TIMED_TERMS for name in TERMS], dtype=np.float64)
 class Outlook:
     """One rank's predicted seconds for its micro-batch: at the base budget and at the ends of its range.
 
-    ``density`` is the effective base density rho0 (the uniform density predicting ``base``); ``low`` and
-    ``high`` are the predicted times at rho0 - p and rho0 + p (clipped to the model's density range).
+    ``density`` is the effective base density rho0 (the uniform density predicting ``base``); ``low`` is
+    the predicted time at the sparsest density the rank may take (``floor``), ``high`` the one at rho0 + p
+    (both clipped to the model's density range).
     """
 
     base: float
@@ -43,9 +48,10 @@ class Outlook:
     high: float
     density: float
     tokens: float
+    floor: float
 
     def to_list(self) -> list[float]:
-        return [self.base, self.low, self.high, self.density, self.tokens]
+        return [self.base, self.low, self.high, self.density, self.tokens, self.floor]
 
     def at(self, anchor: float) -> float:
         """Predicted seconds once the budget moved toward ``anchor``."""
@@ -53,8 +59,8 @@ class Outlook:
 
     def density_at(self, anchor: float, p: float) -> float:
         """Approximate density at ``anchor``: time is close to linear in density between the range ends."""
-        lo, hi = max(self.density - p, 0.0), min(self.density + p, 1.0)
-        return float(np.interp(self.at(anchor), [self.low, self.base, self.high], [lo, self.density, hi]))
+        high = min(self.density + p, 1.0)
+        return float(np.interp(self.at(anchor), [self.low, self.base, self.high], [self.floor, self.density, high]))
 
 
 def with_speed(model: LatencyModel, speed: float) -> LatencyModel:
@@ -64,13 +70,17 @@ def with_speed(model: LatencyModel, speed: float) -> LatencyModel:
     return LatencyModel(model.table, replace(calibration, log_scales=log_scales))
 
 
-def outlook(model: LatencyModel, lengths: Sequence[int], base_density: Sequence[float], p: float) -> Outlook:
-    """This rank's ``Outlook`` for documents of ``lengths`` with estimated base densities ``base_density``."""
+def outlook(
+    model: LatencyModel, lengths: Sequence[int], base_density: Sequence[float], p: float, min_density: float = 0.0
+) -> Outlook:
+    """This rank's ``Outlook`` for documents of ``lengths`` with estimated base densities ``base_density``;
+    its cap may go down to ``min_density`` (at least the model's smallest density), with p = 0 nowhere."""
     base = model.predict(lengths, base_density)
     rho0 = model.density_for(lengths, base, clip=True)
-    low = model.predict(lengths, max(rho0 - p, model.min_density))
+    floor = rho0 if p <= 0 else min(max(min_density, model.min_density), rho0)
+    low = model.predict(lengths, floor)
     high = model.predict(lengths, min(rho0 + p, 1.0))
-    return Outlook(base, min(low, base), max(high, base), rho0, float(sum(lengths)))
+    return Outlook(base, min(low, base), max(high, base), rho0, float(sum(lengths)), floor)
 
 
 def anchor_time(times: Sequence[float], anchor: str) -> float:
@@ -130,29 +140,30 @@ def rank_budget(
     """This rank's budgets for moving its predicted time toward ``anchor`` (module docstring).
 
     The density target inverts the latency model exactly (``density_for``). After the first step the shift
-    moves by at most 1 (tau by at most p) from ``previous_shift``, so budgets cannot oscillate by more.
+    of tau moves by at most 1 (tau by at most p) from ``previous_shift``, so tau cannot oscillate by more.
     With p = 0 the base budgets are returned unchanged (the static baseline).
     """
     if p <= 0:
         return RankBudget(0.0, view.density, [replace(b) for b in base])
-    target = model.density_for(lengths, view.at(anchor), clip=True)
+    target = max(model.density_for(lengths, view.at(anchor), clip=True), view.floor)
     shift = float(np.clip((target - view.density) / p, -1.0, 1.0))
     if previous_shift is not None:
         shift = float(np.clip(shift, previous_shift - 1.0, previous_shift + 1.0))
-    density = float(np.clip(view.density + shift * p, model.min_density, 1.0))
+    straggler = target < view.density
+    density = target if straggler else float(min(view.density + max(shift, 0.0) * p, 1.0))
     budgets = [
-        LayerBudget(float(np.clip(b.tau + shift * p, MIN_TAU, 1.0)), _cap(b.max_density, shift, p, density))
+        LayerBudget(float(np.clip(b.tau + shift * p, MIN_TAU, 1.0)), _cap(b.max_density, straggler, shift, p, density))
         for b in base
     ]
     return RankBudget(shift, density, budgets)
 
 
-def _cap(base_cap: float | None, shift: float, p: float, density: float) -> float | None:
+def _cap(base_cap: float | None, straggler: bool, shift: float, p: float, density: float) -> float | None:
     """A straggler's cap is its density target (never above its base cap); a fast rank's base cap moves up
-    by shift * p (module docstring)."""
-    if shift < 0:
+    with tau (module docstring)."""
+    if straggler:
         return density if base_cap is None else min(base_cap, density)
     if base_cap is None:
         return None
-    moved = base_cap + shift * p
+    moved = base_cap + max(shift, 0.0) * p
     return None if moved >= 1.0 else moved

@@ -96,7 +96,10 @@ class DynamicSparsityTuning(Callback):
             budget, or ``adaptive``: the fixed anchor with the shortest predicted step whose predicted
             token-weighted recall loss, from the recall-per-density slope observed so far, stays within
             ``recall_tolerance``.
-        p: largest move of tau (and of the density target) away from the base budget, in [0, 1].
+        p: largest move of tau away from the base budget, in [0, 1]; a fast rank's density rises by at most
+            p. A straggler's density cap follows the latency model to the anchor time, down to ``min_density``.
+        min_density: the lowest density cap a straggler may get, in [0, 1] (the latency model's smallest
+            profiled density when lower): a floor under the time-for-recall trade.
         recall_tolerance: the adaptive anchor's allowance for predicted loss of mean recall.
         speed_smoothing: weight of each new measurement in a rank's speed (its measured over predicted
             attention time relative to the other ranks), in (0, 1].
@@ -115,6 +118,7 @@ class DynamicSparsityTuning(Callback):
         self,
         anchor: Anchor = "mean",
         p: float = 0.1,
+        min_density: float = 0.05,
         recall_tolerance: float = 0.02,
         speed_smoothing: float = 0.3,
         slowdown: dict[int, float] | None = None,
@@ -124,13 +128,15 @@ class DynamicSparsityTuning(Callback):
             raise ConfigError(f"{name}.anchor={anchor!r} is unknown; allowed: {', '.join(ANCHORS)}")
         if not 0.0 <= p <= 1.0:
             raise ConfigError(f"{name}.p={p} must lie in [0, 1]")
+        if not 0.0 <= min_density <= 1.0:
+            raise ConfigError(f"{name}.min_density={min_density} must lie in [0, 1]")
         if not 0.0 <= recall_tolerance <= 1.0:
             raise ConfigError(f"{name}.recall_tolerance={recall_tolerance} must lie in [0, 1]")
         if not 0.0 < speed_smoothing <= 1.0:
             raise ConfigError(f"{name}.speed_smoothing={speed_smoothing} must lie in (0, 1]")
         if any(f < 1.0 for f in (slowdown or {}).values()):
             raise ConfigError(f"{name}.slowdown factors must be >= 1, got {slowdown}")
-        self.anchor, self.p = anchor, p
+        self.anchor, self.p, self.min_density = anchor, p, min_density
         self.recall_tolerance = recall_tolerance
         self.speed_smoothing = speed_smoothing
         self.slowdown = {int(r): float(f) for r, f in (slowdown or {}).items()}
@@ -189,7 +195,7 @@ class DynamicSparsityTuning(Callback):
         lengths = [int(n) for n in pl_module.document_lengths(batch)]
         mine = with_speed(model, math.exp(self.log_speeds[rank]))
         base_density = self.density([max(n, 1) for n in lengths])
-        view = outlook(mine, lengths, base_density, self.p)
+        view = outlook(mine, lengths, base_density, self.p, self.min_density)
         views = [Outlook(*row) for row in _gather_floats(trainer, pl_module, view.to_list())]
         times = [v.base for v in views]
         if self.anchor == "adaptive":
