@@ -74,7 +74,7 @@ def outlook(
     model: LatencyModel, lengths: Sequence[int], base_density: Sequence[float], p: float, min_density: float = 0.0
 ) -> Outlook:
     """This rank's ``Outlook`` for documents of ``lengths`` with estimated base densities ``base_density``;
-    its cap may go down to ``min_density`` (at least the model's smallest density), with p = 0 nowhere."""
+    its cap may go down to ``min_density`` (at least the model's smallest density; with p = 0 it stays)."""
     base = model.predict(lengths, base_density)
     rho0 = model.density_for(lengths, base, clip=True)
     floor = rho0 if p <= 0 else min(max(min_density, model.min_density), rho0)
@@ -151,10 +151,8 @@ def rank_budget(
         shift = float(np.clip(shift, previous_shift - 1.0, previous_shift + 1.0))
     straggler = target < view.density
     density = target if straggler else float(min(view.density + max(shift, 0.0) * p, 1.0))
-    budgets = [
-        LayerBudget(float(np.clip(b.tau + shift * p, MIN_TAU, 1.0)), _cap(b.max_density, straggler, shift, p, density))
-        for b in base
-    ]
+    taus = [float(np.clip(b.tau + shift * p, MIN_TAU, 1.0)) for b in base]
+    budgets = [LayerBudget(tau, _cap(b.max_density, straggler, shift, p, density)) for tau, b in zip(taus, base)]
     return RankBudget(shift, density, budgets)
 
 

@@ -76,8 +76,9 @@ def _plan(layout: TileLayout) -> _Plan:
 
 
 def _build_plan(layout: TileLayout) -> _Plan:
-    """Every chunk's slot lists and token masks come from a few whole-stream ops, then are sliced per chunk
-    (a loop of small ops per chunk cost about 5% of a whole forward and backward)."""
+    """Every chunk's slot lists and token masks come from a few whole-stream ops sliced per chunk, and each
+    token mask is computed once per distinct (query block, key block) and shared by the heads: building
+    them chunk by chunk and head by head cost about 5% of a forward and backward."""
     block, nb, device = layout.block_size, layout.num_blocks, layout.row_ptr.device
     counts = layout.row_ptr[1:] - layout.row_ptr[:-1]
     order = torch.argsort(counts, descending=True, stable=True)
@@ -96,7 +97,7 @@ def _build_plan(layout: TileLayout) -> _Plan:
     sizes = stops - starts
     row_width = torch.repeat_interleave(chunk_widths, sizes)
     row_local = torch.arange(active, device=device) - torch.repeat_interleave(starts, sizes)
-    # One element per (row, slot), rows in plan order: chunk i owns elements row_end[start_i - 1]..
+    # One element per (row, slot), rows in plan order, so that each chunk's elements are contiguous.
     row_end = torch.cumsum(row_width, 0)
     elem_row = torch.repeat_interleave(torch.arange(active, device=device), row_width)
     slot = torch.arange(int(row_end[-1]), device=device) - (row_end - row_width)[elem_row]
@@ -106,8 +107,7 @@ def _build_plan(layout: TileLayout) -> _Plan:
     full = valid & ~layout.tile_partial[tile]
     kb = torch.where(valid, layout.tile_col[tile], nb)
     kv_slots = ((rows // nb) // layout.group_size) * (nb + 1) + kb
-    # Token masks of the tiles that need one (partial tiles and padding slots), computed once per distinct
-    # (query block, key block): heads share them.
+    # Token masks of the tiles that need one (partial tiles and padding slots), once per distinct tile.
     masked = torch.nonzero(~full).squeeze(1)
     tiles, which = torch.unique((rows[masked] % nb) * (nb + 1) + kb[masked], return_inverse=True)
     pad = (nb + 1) * block - layout.num_tokens
