@@ -6,12 +6,12 @@ density target is the density at which its predicted time equals A. The move bec
 max_density):
 
 - tau moves by the same amount as the density target, within [tau0 - p, tau0 + p]; it sets the accuracy
-  floor where attention is sharp (there a small change of tau moves density a lot);
-- a straggler's cap is its density target, chosen from the latency model and not bounded by p (down to a
-  floor, ``min_density``): it is what guarantees the time where attention is near-uniform and tau barely
-  moves cost, and where attention is sharp it cuts the blocks of least mass;
-- a fast rank gets no tighter cap than its base one (the base density is an estimate, and a cap below the
-  true base density would make it sparser, not denser): tau alone makes it denser, by at most p.
+  floor where attention is sharp;
+- the cap, chosen from the latency model, guarantees the time. A straggler's cap is its density target,
+  not bounded by p (it goes down to a floor, ``min_density``): where attention is near-uniform tau barely
+  moves cost, and where it is sharp the cap cuts the blocks of least mass. A fast rank's cap is the density
+  at which it would reach the anchor: it keeps the rank from overshooting, since where attention is sharp
+  a small rise of tau keeps many more blocks (tau = 1 keeps them all).
 """
 
 from __future__ import annotations
@@ -139,9 +139,9 @@ def rank_budget(
 ) -> RankBudget:
     """This rank's budgets for moving its predicted time toward ``anchor`` (module docstring).
 
-    The density target inverts the latency model exactly (``density_for``). After the first step the shift
-    of tau moves by at most 1 (tau by at most p) from ``previous_shift``, so tau cannot oscillate by more.
-    With p = 0 the base budgets are returned unchanged (the static baseline).
+    The density target inverts the latency model exactly (``density_for``); caps replace any base cap. After
+    the first step the shift of tau moves by at most 1 (tau by at most p) from ``previous_shift``, so tau
+    cannot oscillate by more. With p = 0 the base budgets are returned unchanged (the static baseline).
     """
     if p <= 0:
         return RankBudget(0.0, view.density, [replace(b) for b in base])
@@ -149,19 +149,9 @@ def rank_budget(
     shift = float(np.clip((target - view.density) / p, -1.0, 1.0))
     if previous_shift is not None:
         shift = float(np.clip(shift, previous_shift - 1.0, previous_shift + 1.0))
-    straggler = target < view.density
-    density = target if straggler else float(min(view.density + max(shift, 0.0) * p, 1.0))
     taus = [float(np.clip(b.tau + shift * p, MIN_TAU, 1.0)) for b in base]
-    budgets = [LayerBudget(tau, _cap(b.max_density, straggler, shift, p, density)) for tau, b in zip(taus, base)]
-    return RankBudget(shift, density, budgets)
-
-
-def _cap(base_cap: float | None, straggler: bool, shift: float, p: float, density: float) -> float | None:
-    """A straggler's cap is its density target (never above its base cap); a fast rank's base cap moves up
-    with tau (module docstring)."""
-    if straggler:
-        return density if base_cap is None else min(base_cap, density)
-    if base_cap is None:
-        return None
-    moved = base_cap + max(shift, 0.0) * p
-    return None if moved >= 1.0 else moved
+    if abs(target - view.density) <= 1e-9:  # at the anchor already: the base caps stay
+        return RankBudget(shift, target, [LayerBudget(tau, b.max_density) for tau, b in zip(taus, base)])
+    ceiling = target if target < view.density else model.density_for(lengths, anchor, clip=True)
+    cap = None if ceiling >= 1.0 else ceiling
+    return RankBudget(shift, target, [LayerBudget(tau, cap) for tau in taus])

@@ -96,8 +96,9 @@ class DynamicSparsityTuning(Callback):
             budget, or ``adaptive``: the fixed anchor with the shortest predicted step whose predicted
             token-weighted recall loss, from the recall-per-density slope observed so far, stays within
             ``recall_tolerance``.
-        p: largest move of tau away from the base budget, in [0, 1]; a fast rank's density rises by at most
-            p. A straggler's density cap follows the latency model to the anchor time, down to ``min_density``.
+        p: largest move of tau away from the base budget, in [0, 1]. Density caps follow the latency model
+            so that no rank passes the anchor time: a straggler's brings it down to the anchor (no lower than
+            ``min_density``), a fast rank's stops it there.
         min_density: the lowest density cap a straggler may get, in [0, 1] (the latency model's smallest
             profiled density when lower): a floor under the time-for-recall trade.
         recall_tolerance: the adaptive anchor's allowance for predicted loss of mean recall.
