@@ -22,6 +22,7 @@ to ``--out``. Timings on a shared machine drift: ``--rounds`` repeats the whole 
     python benchmarks/end_to_end.py --init outputs/sharp/hf --steps 60 --out outputs/e2e_sharp
     python benchmarks/end_to_end.py --init outputs/sharp/hf --epoch-documents 300 --out outputs/e2e_epoch
     python benchmarks/end_to_end.py --init none --steps 30 --out outputs/e2e_random
+    python benchmarks/end_to_end.py --init outputs/sharp/hf --max-tokens 8192 --out outputs/e2e_8k   # longer contexts
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "variant trains on exactly the same documents and the speed-up is of the epoch time")
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of step-time medians")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="longest document and micro-batch in tokens (default: the configuration's); the corpus "
+                             "is built for it under its own folder")
     parser.add_argument("--p", type=float, default=0.1, help="DST bound around the base budget")
     parser.add_argument("--anchor", default="mean")
     parser.add_argument("--recall-rows", type=int, default=64)
@@ -91,9 +95,13 @@ def variant_config(base: dict, name: str, args: argparse.Namespace, run_dir: Pat
         max_steps=args.steps, log_every_n_steps=1, val_check_interval=args.steps, enable_checkpointing=False,
         enable_progress_bar=False, default_root_dir=str(run_dir),
     )
+    if args.max_tokens is not None:
+        cfg["data"].update(max_doc_tokens=args.max_tokens, max_tokens=args.max_tokens,
+                           data_dir=f"{cfg['data']['data_dir']}_{args.max_tokens}")
     if args.epoch_documents is not None:
         trainer.update(max_steps=-1, max_epochs=1, val_check_interval=1.0)
-        cfg["data"].update(num_documents=args.epoch_documents, data_dir=f"data/e2e_{args.epoch_documents}")
+        data_dir = f"data/e2e_{args.epoch_documents}" + (f"_{args.max_tokens}" if args.max_tokens else "")
+        cfg["data"].update(num_documents=args.epoch_documents, data_dir=data_dir)
     if args.devices is not None:
         trainer["devices"] = args.devices
     if args.accelerator is not None:
@@ -187,6 +195,8 @@ def markdown_table(results: dict, regime: str, args: argparse.Namespace) -> str:
     base = results.get(BASELINE)
     epoch = args.epoch_documents is not None
     length = f"one epoch over {args.epoch_documents} documents" if epoch else f"{args.steps} steps"
+    if args.max_tokens is not None:
+        length += f" of documents and micro-batches up to {args.max_tokens} tokens"
     speedup_of = "total" if epoch else "median"
     lines = [
         f"Regime: {regime}. {length}, median step time after {args.warmup} warm-up steps, "
@@ -218,7 +228,7 @@ def markdown_table(results: dict, regime: str, args: argparse.Namespace) -> str:
 def plot(results: dict, out: Path, title: str) -> list[Path]:
     panels = [
         ("step_s", "step time (s)", "Wall time per training step"),
-        ("imbalance", "measured imbalance (max / mean rank attention time)", "Imbalance per step"),
+        ("imbalance", "max / mean of the ranks' attention time", "Attention imbalance per step"),
         ("loss", "training loss (nats / token)", "Training loss"),
     ]
     paths = []
