@@ -2,16 +2,19 @@
 
 Every rank predicts its micro-batch's time at the base budget and at the ends of its allowed range, the
 ranks share these few numbers, and all agree on an anchor time A. Each rank then moves toward A: its
-density target is the density at which its predicted time equals A. The move becomes the pair (tau,
-max_density):
+density target is the density at which its predicted time equals A. The move becomes a ``LayerBudget``:
 
 - tau moves by the same amount as the density target, within [tau0 - p, tau0 + p]; it sets the accuracy
   floor where attention is sharp;
-- the cap, chosen from the latency model, guarantees the time. A straggler's cap is its density target,
-  not bounded by p (it goes down to a floor, ``min_density``): where attention is near-uniform tau barely
-  moves cost, and where it is sharp the cap cuts the blocks of least mass. A fast rank's cap is the density
-  at which it would reach the anchor: it keeps the rank from overshooting, since where attention is sharp
-  a small rise of tau keeps many more blocks (tau = 1 keeps them all).
+- ``density_scale`` bounds the layer's kept tiles relative to what the base budget keeps there, by the
+  ratio of the density at which the rank would reach the anchor to its base density: it is what
+  guarantees the time. A straggler's scale is not bounded by p (its target goes down to a floor,
+  ``min_density``): where attention is near-uniform tau barely moves cost, and where it is sharp the scale
+  cuts the blocks of least mass. A fast rank's scale is a ceiling at the anchor: where attention is sharp
+  a small rise of tau keeps many more blocks (tau = 1 keeps them all) and would overshoot. Being relative
+  to the layer's own base selection, the scale does not depend on how well the base density was
+  estimated, which an absolute cap does (a cap below the true base density makes a fast rank sparser);
+- a per-row base cap (``max_density``) stays for a straggler and moves up with tau for a fast rank.
 """
 
 from __future__ import annotations
@@ -139,9 +142,9 @@ def rank_budget(
 ) -> RankBudget:
     """This rank's budgets for moving its predicted time toward ``anchor`` (module docstring).
 
-    The density target inverts the latency model exactly (``density_for``); caps replace any base cap. After
-    the first step the shift of tau moves by at most 1 (tau by at most p) from ``previous_shift``, so tau
-    cannot oscillate by more. With p = 0 the base budgets are returned unchanged (the static baseline).
+    The density target inverts the latency model exactly (``density_for``). After the first step the shift
+    of tau moves by at most 1 (tau by at most p) from ``previous_shift``, so tau cannot oscillate by more.
+    With p = 0 the base budgets are returned unchanged (the static baseline).
     """
     if p <= 0:
         return RankBudget(0.0, view.density, [replace(b) for b in base])
@@ -150,8 +153,17 @@ def rank_budget(
     if previous_shift is not None:
         shift = float(np.clip(shift, previous_shift - 1.0, previous_shift + 1.0))
     taus = [float(np.clip(b.tau + shift * p, MIN_TAU, 1.0)) for b in base]
-    if abs(target - view.density) <= 1e-9:  # at the anchor already: the base caps stay
-        return RankBudget(shift, target, [LayerBudget(tau, b.max_density) for tau, b in zip(taus, base)])
+    if abs(target - view.density) <= 1e-9:  # at the anchor already: tau may still be settling back
+        return RankBudget(shift, target, [replace(b, tau=tau) for tau, b in zip(taus, base)])
     ceiling = target if target < view.density else model.density_for(lengths, anchor, clip=True)
-    cap = None if ceiling >= 1.0 else ceiling
-    return RankBudget(shift, target, [LayerBudget(tau, cap) for tau in taus])
+    scale = ceiling / view.density
+    budgets = [LayerBudget(tau, _cap(b.max_density, shift, p), scale) for tau, b in zip(taus, base)]
+    return RankBudget(shift, target, budgets)
+
+
+def _cap(base_cap: float | None, shift: float, p: float) -> float | None:
+    """The per-row base cap: a straggler keeps it, a fast rank's moves up with tau (module docstring)."""
+    if base_cap is None or shift <= 0:
+        return base_cap
+    moved = base_cap + shift * p
+    return None if moved >= 1.0 else moved

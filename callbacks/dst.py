@@ -96,10 +96,10 @@ class DynamicSparsityTuning(Callback):
             budget, or ``adaptive``: the fixed anchor with the shortest predicted step whose predicted
             token-weighted recall loss, from the recall-per-density slope observed so far, stays within
             ``recall_tolerance``.
-        p: largest move of tau away from the base budget, in [0, 1]. Density caps follow the latency model
-            so that no rank passes the anchor time: a straggler's brings it down to the anchor (no lower than
-            ``min_density``), a fast rank's stops it there.
-        min_density: the lowest density cap a straggler may get, in [0, 1] (the latency model's smallest
+        p: largest move of tau away from the base budget, in [0, 1]. The kept tiles scale with the latency
+            model so that no rank passes the anchor time: a straggler's scale brings it down to the anchor (no
+            lower than ``min_density``), a fast rank's stops it there (``callbacks.budget``).
+        min_density: the lowest density a straggler aims at, in [0, 1] (the latency model's smallest
             profiled density when lower): a floor under the time-for-recall trade.
         recall_tolerance: the adaptive anchor's allowance for predicted loss of mean recall.
         speed_smoothing: weight of each new measurement in a rank's speed (its measured over predicted
@@ -110,7 +110,7 @@ class DynamicSparsityTuning(Callback):
     Logged per step (the same on every rank): ``dst/anchor_s``, ``dst/predicted_imbalance_base`` and
     ``dst/predicted_imbalance`` (whole step, base and chosen budgets), ``dst/measured_imbalance`` (attention
     calls), and per rank ``dst/rank{r}/{predicted_base_s,predicted_s}`` (whole step),
-    ``dst/rank{r}/{tau,max_density,density,estimated_recall,recall,speed}`` and
+    ``dst/rank{r}/{tau,max_density,density_scale,density,estimated_recall,recall,speed}`` and
     ``latency/rank{r}/{predicted_s,measured_s}`` (attention calls). Per epoch: ``dst/balance_efficiency``
     (sum of mean over sum of max measured attention time) and ``dst/mean_recall`` (token-weighted).
     """
@@ -238,7 +238,7 @@ class DynamicSparsityTuning(Callback):
                 "base_document_density": report.base_document_density,
                 "measured": measured,
                 "shift": pending.budget.shift,
-                "budgets": [[b.tau, b.max_density] for b in pending.budget.budgets],
+                "budgets": [[b.tau, b.max_density, b.density_scale] for b in pending.budget.budgets],
             }
         records = gather_objects(trainer, record)
         if any(r is None for r in records):
@@ -261,10 +261,11 @@ class DynamicSparsityTuning(Callback):
             model.observe(r["lengths"], r["density"], nominal, terms=TIMED_TERMS)
             docs = [(n, d) for n, d in zip(r["lengths"], r["base_document_density"]) if n > 0]
             self.density.observe([n for n, _ in docs], [d for _, d in docs])
-            tau, cap = r["budgets"][0]
+            tau, cap, scale = r["budgets"][0]
             logs.update({
                 f"dst/rank{rank}/tau": tau,
                 f"dst/rank{rank}/max_density": 1.0 if cap is None else cap,
+                f"dst/rank{rank}/density_scale": 1.0 if scale is None else scale,
                 f"dst/rank{rank}/density": r["density"],
                 f"dst/rank{rank}/estimated_recall": r["estimated_recall"],
                 f"dst/rank{rank}/speed": math.exp(self.log_speeds[rank]),
@@ -306,7 +307,8 @@ class DynamicSparsityTuning(Callback):
 
 
 def _budgets_from(rows: list) -> list[LayerBudget]:
-    return [LayerBudget(float(tau), None if cap is None else float(cap)) for tau, cap in rows]
+    """Checkpointed [tau, max_density, density_scale] rows (two fields before density_scale existed)."""
+    return [LayerBudget(*(None if x is None else float(x) for x in row)) for row in rows]
 
 
 def _timed_seconds(model: LatencyModel, lengths: list[int], density: float) -> float:

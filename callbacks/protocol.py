@@ -53,8 +53,10 @@ class SparsityTunable(Protocol):
     """The members ``DynamicSparsityTuning`` uses.
 
     Attributes:
-        layer_budgets: the budget (tau, max_density) of each sparse layer, read at every forward; the
-            callback replaces it before each training micro-batch.
+        layer_budgets: the budget (``LayerBudget``: tau, max_density, density_scale) of each sparse layer,
+            read at every forward; the callback replaces it before each training micro-batch. A module
+            honours ``density_scale`` by keeping at most that multiple of the tiles its base budget would keep
+            in the layer.
         base_budgets: the configured budgets, which tuning moves away from by at most p.
         latency_model: predicts a micro-batch's time (``sparsebalance_pl.latency.LatencyModel``); set by
             the module by the time ``on_fit_start`` runs. The callback calibrates it in place.

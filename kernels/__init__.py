@@ -11,6 +11,8 @@ _EXPORTS = {
     "block_sparse_attention": ".attention",
     "BACKENDS": ".attention",
     "select_blocks": ".selection",
+    "rank_blocks": ".selection",
+    "BlockRanking": ".selection",
     "SelectionStats": ".selection",
     "reference_block_sparse_attention": ".reference",
     "attention_recall": ".recall",

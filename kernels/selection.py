@@ -11,7 +11,9 @@ the query block (a block holding tokens of several documents is a candidate for 
 attention kernels mask token pairs exactly); the diagonal block and the first block of the query block's
 first document are always kept; the other candidates are kept in decreasing estimated mass until the kept
 mass reaches tau of the row (tau = 1 keeps every candidate); ``max_density`` then caps the kept count at
-floor(max_density * candidates) by dropping the lowest-mass blocks, never the always-kept ones.
+floor(max_density * candidates) by dropping the lowest-mass blocks, never the always-kept ones; a tile
+budget (``BlockRanking.select(max_tiles=...)``) finally bounds the whole call's kept tiles by dropping the
+lowest-mass blocks across all rows and heads, which loses the least estimated mass for the tiles saved.
 """
 
 from __future__ import annotations
@@ -38,6 +40,58 @@ _CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
+class BlockRanking:
+    """Every row's candidate key blocks ranked once: always-kept blocks first, then by estimated mass.
+
+    Any budget keeps a prefix of each row's ranking, so budgets are counts per row and several of them
+    (DST's base and moved budgets, the densities other taus would give) cost one scoring.
+    """
+
+    candidates: torch.Tensor  # int64 [nB], candidate key blocks of each query block (same for all heads)
+    forced: torch.Tensor  # int64 [nB], always-kept blocks of each query block
+    order: torch.Tensor  # int64 [Hq, nB, nB], key blocks in rank order
+    sorted_mass: torch.Tensor  # float [Hq, nB, nB], their estimated mass (non-candidates 0)
+    mass_before: torch.Tensor  # float [Hq, nB, nB], estimated mass of the blocks ranked before each rank
+    row_mass: torch.Tensor  # float [Hq, nB, 1], estimated mass of each row (1 up to rounding)
+
+    def kept_at(self, taus, max_density: float | None = None, max_tiles: int | None = None) -> torch.Tensor:
+        """[Hq, nB, len(taus)] blocks each row keeps at each tau, with the per-row cap ``max_density`` and a
+        bound ``max_tiles`` on the kept tiles of all rows together (never below the always-kept ones)."""
+        count = _kept_counts(self.mass_before, self.row_mass, self.candidates, self.forced, taus, max_density)
+        if max_tiles is None:
+            return count
+        return torch.stack([self._within(count[..., i], max_tiles) for i in range(count.shape[-1])], dim=-1)
+
+    def _within(self, count: torch.Tensor, max_tiles: int) -> torch.Tensor:
+        """``count`` [Hq, nB] cut to at most ``max_tiles`` kept tiles: the optional blocks (ranked after the
+        always-kept ones) of least estimated mass go first, across rows and heads."""
+        forced = self.forced.expand_as(count)
+        spare = max(int(max_tiles) - int(forced.sum()), 0)
+        if int(count.sum()) - int(forced.sum()) <= spare:
+            return count
+        ranks = torch.arange(self.order.shape[-1], device=count.device)
+        optional = (ranks >= forced[..., None]) & (ranks < count[..., None])
+        mass = torch.where(optional, self.sorted_mass, torch.full_like(self.sorted_mass, -1.0)).flatten()
+        chosen = torch.zeros_like(mass, dtype=torch.bool)
+        chosen[mass.topk(spare).indices] = True
+        return forced + chosen.view_as(optional).sum(dim=-1)
+
+    def select(
+        self, tau: float, max_density: float | None = None, max_tiles: int | None = None
+    ) -> tuple[torch.Tensor, "SelectionStats"]:
+        """The block mask [Hq, nB, nB] of this budget and its ``SelectionStats``."""
+        check_fraction("tau", tau)
+        if max_density is not None:
+            check_fraction("max_density", max_density)
+        kept = self.kept_at([tau], max_density, max_tiles)[..., 0]
+        keep_sorted = torch.arange(self.order.shape[-1], device=kept.device) < kept[..., None]
+        mask = torch.zeros_like(keep_sorted).scatter_(-1, self.order, keep_sorted)
+        last = (kept - 1).clamp(min=0)[..., None]
+        kept_mass = self.mass_before.gather(-1, last) + self.sorted_mass.gather(-1, last)
+        return mask, SelectionStats(self, kept, kept_mass[..., 0] / self.row_mass[..., 0])
+
+
+@dataclass(frozen=True)
 class SelectionStats:
     """What one selection kept, per (query head, query block) row, and what other budgets would keep.
 
@@ -47,12 +101,13 @@ class SelectionStats:
     ``attention_recall`` measures the exact one.
     """
 
-    candidates: torch.Tensor  # int64 [nB], candidate key blocks of each query block (same for all heads)
-    forced: torch.Tensor  # int64 [nB], always-kept blocks of each query block
+    ranking: BlockRanking
     kept: torch.Tensor  # int64 [Hq, nB]
     kept_mass: torch.Tensor  # float [Hq, nB]
-    mass_before: torch.Tensor  # float [Hq, nB, nB], estimated mass of the blocks ranked before each rank
-    row_mass: torch.Tensor  # float [Hq, nB, 1], estimated mass of each row (1 up to rounding)
+
+    @property
+    def candidates(self) -> torch.Tensor:
+        return self.ranking.candidates
 
     def row_density(self) -> torch.Tensor:
         """[Hq, nB] kept / candidate blocks of each row."""
@@ -68,7 +123,7 @@ class SelectionStats:
 
     def kept_at(self, taus, max_density: float | None = None) -> torch.Tensor:
         """[Hq, nB, len(taus)] blocks each row would keep at each tau (and cap), from the same ranking."""
-        return _kept_counts(self.mass_before, self.row_mass, self.candidates, self.forced, taus, max_density)
+        return self.ranking.kept_at(taus, max_density)
 
     def density_at(self, taus, max_density: float | None = None) -> torch.Tensor:
         """[len(taus)] mean density (as ``mean_density``) that each tau would give, optionally with a cap:
@@ -133,6 +188,46 @@ def estimate_block_mass(
     return mass / mass.sum(dim=-1, keepdim=True)
 
 
+def rank_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    block_size: int,
+    stride: int = 16,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> BlockRanking:
+    """Scores every candidate block (module docstring) and ranks each row's blocks once; ``select`` then
+    applies budgets. Arguments as ``select_blocks``."""
+    check_power_of_two("block_size", block_size)
+    check_power_of_two("stride", stride)
+    if stride > block_size:
+        raise ValueError(f"stride ({stride}) must not exceed block_size ({block_size})")
+    check_qk(q, k)
+    check_cu_seqlens(cu_seqlens, q.shape[0])
+    backend = resolve_backend(backend, q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    with torch.no_grad():
+        doc = token_doc_ids(cu_seqlens.to(q.device), q.shape[0])
+        if backend == "triton":
+            from .selection_triton import estimate_block_mass as estimate
+        else:
+            estimate = estimate_block_mass
+        mass = estimate(q, k, doc, block_size, stride, scale)
+        candidates = candidate_tiles(doc, block_size)
+        forced = forced_tiles(doc, cu_seqlens, block_size) & candidates
+        # Rank forced blocks first, then candidates by estimated mass, then the rest (mass 0).
+        priority = torch.where(candidates, mass + 2.0 * forced, torch.full_like(mass, -1.0))
+        order = priority.argsort(dim=-1, descending=True)
+        sorted_mass = torch.where(candidates, mass, torch.zeros_like(mass)).gather(-1, order)
+        cumulative = sorted_mass.cumsum(dim=-1)
+        mass_before = F.pad(cumulative[..., :-1], (1, 0)).contiguous()
+        return BlockRanking(
+            candidates.sum(-1), forced.sum(-1), order, sorted_mass, mass_before, cumulative[..., -1:]
+        )
+
+
 def select_blocks(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -152,38 +247,11 @@ def select_blocks(
     cu_seqlens int32 [docs + 1]; tau in (0, 1]; stride a power of two dividing block_size; max_density in
     (0, 1] or None; scale defaults to D ** -0.5. With ``return_stats`` returns ``(mask, SelectionStats)``.
     ``backend`` picks the scoring kernel like ``block_sparse_attention`` does. Not differentiable.
+    ``rank_blocks(...).select(...)`` is the same in two steps, for several budgets or a tile budget.
     """
-    check_power_of_two("block_size", block_size)
-    check_power_of_two("stride", stride)
-    if stride > block_size:
-        raise ValueError(f"stride ({stride}) must not exceed block_size ({block_size})")
     check_fraction("tau", tau)
     if max_density is not None:
         check_fraction("max_density", max_density)
-    check_qk(q, k)
-    check_cu_seqlens(cu_seqlens, q.shape[0])
-    backend = resolve_backend(backend, q.device)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    with torch.no_grad():
-        doc = token_doc_ids(cu_seqlens.to(q.device), q.shape[0])
-        if backend == "triton":
-            from .selection_triton import estimate_block_mass as estimate
-        else:
-            estimate = estimate_block_mass
-        mass = estimate(q, k, doc, block_size, stride, scale)
-        candidates = candidate_tiles(doc, block_size)
-        forced = forced_tiles(doc, cu_seqlens, block_size) & candidates
-        # Rank forced blocks first, then candidates by estimated mass, then the rest (mass 0).
-        priority = torch.where(candidates, mass + 2.0 * forced, torch.full_like(mass, -1.0))
-        order = priority.argsort(dim=-1, descending=True)
-        cumulative = mass.gather(-1, order).cumsum(dim=-1)
-        mass_before = F.pad(cumulative[..., :-1], (1, 0)).contiguous()
-        row_mass = cumulative[..., -1:]
-        num_candidates, num_forced = candidates.sum(-1), forced.sum(-1)
-        kept = _kept_counts(mass_before, row_mass, num_candidates, num_forced, [tau], max_density)[..., 0]
-        keep_sorted = torch.arange(mass.shape[-1], device=q.device) < kept[..., None]
-        mask = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-    if not return_stats:
-        return mask
-    kept_mass = cumulative.gather(-1, (kept - 1).clamp(min=0)[..., None])[..., 0] / row_mass[..., 0]
-    return mask, SelectionStats(num_candidates, num_forced, kept, kept_mass, mass_before, row_mass)
+    ranking = rank_blocks(q, k, cu_seqlens, block_size=block_size, stride=stride, scale=scale, backend=backend)
+    mask, stats = ranking.select(tau, max_density)
+    return (mask, stats) if return_stats else mask

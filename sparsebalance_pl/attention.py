@@ -86,10 +86,15 @@ def _is_power_of_two(n: int) -> bool:
 
 @dataclass
 class LayerBudget:
-    """The sparse-attention budget of one layer: top-p threshold and optional density cap."""
+    """The sparse-attention budget of one layer: top-p threshold, optional density cap per query row, and
+    an optional scale on the layer's kept tiles relative to its base budget (what dynamic sparsity tuning
+    moves: at most ``density_scale`` times the tiles the base budget keeps in this layer, the blocks of least
+    estimated mass across the layer dropped first; relative, so an error in the estimated base density
+    cannot make a rank sparser or denser than intended)."""
 
     tau: float
     max_density: float | None = None
+    density_scale: float | None = None
 
 
 @dataclass
@@ -228,30 +233,23 @@ def varlen_causal_attention(
 def _sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx: AttentionContext, scale: float | None
 ) -> torch.Tensor:
-    from sparsebalance_pl.kernels import block_sparse_attention, select_blocks
+    from sparsebalance_pl.kernels import block_sparse_attention, rank_blocks
 
     cfg = ctx.config
     mask = ctx.masks.get(layer)
     if mask is None:
-        budget = ctx.budgets[layer]
+        budget, base = ctx.budgets[layer], (ctx.base_budgets or ctx.budgets)[layer]
         with torch.no_grad():
-            mask, stats = select_blocks(
-                q.detach(),
-                k.detach(),
-                ctx.cu_seqlens,
-                block_size=cfg.block_size,
-                tau=budget.tau,
-                stride=cfg.stride,
-                max_density=budget.max_density,
-                return_stats=True,
-            )
+            ranking = rank_blocks(q.detach(), k.detach(), ctx.cu_seqlens, block_size=cfg.block_size, stride=cfg.stride)
+            base_kept = ranking.kept_at([base.tau], base.max_density)[..., 0]
+            max_tiles = None if budget.density_scale is None else int(budget.density_scale * int(base_kept.sum()))
+            mask, stats = ranking.select(budget.tau, budget.max_density, max_tiles)
         ctx.masks[layer] = mask
-        base = (ctx.base_budgets or ctx.budgets)[layer]
         ctx.stats[layer] = LayerStats(
             density=stats.mean_density(),
             estimated_recall=stats.mean_kept_mass(),
             base_document_density=document_density(
-                stats, ctx.cu_seqlens, q.shape[0], cfg.block_size, None if base == budget else base
+                base_kept, stats.candidates, ctx.cu_seqlens, q.shape[0], cfg.block_size
             ),
         )
     return block_sparse_attention(
@@ -260,25 +258,24 @@ def _sparse_attention(
 
 
 def document_density(
-    stats, cu_seqlens: torch.Tensor, num_tokens: int, block_size: int, budget: LayerBudget | None
+    kept_rows: torch.Tensor, candidates: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int, block_size: int
 ) -> torch.Tensor:
-    """[docs] kept / causal tiles of each document at ``budget``, from a selection's ranking (``SelectionStats``);
-    ``None``: the budget the selection used (its kept counts, no re-ranking).
+    """[docs] kept / causal tiles of each document, from a selection's kept blocks per row ``kept_rows``
+    [Hq, nB] and candidate blocks per query block ``candidates`` [nB] (``BlockRanking``).
 
     A query block shared by two documents counts for the one it starts in; exact for block-aligned documents.
     A document starting no block (shorter than one, inside another's) is dense: it sees only forced blocks.
     """
     from sparsebalance_pl.kernels.layout import token_doc_ids
 
-    kept_rows = stats.kept if budget is None else stats.kept_at([budget.tau], budget.max_density)[..., 0]
     kept = kept_rows.sum(0).float()  # [nB]
     doc_ids = token_doc_ids(cu_seqlens.to(kept.device), num_tokens)
     block_doc = doc_ids[::block_size]
     num_docs = len(cu_seqlens) - 1
     kept_per_doc = kept.new_zeros(num_docs).index_add_(0, block_doc, kept)
-    candidates = kept.new_zeros(num_docs).index_add_(0, block_doc, stats.candidates.float())
-    density = kept_per_doc / (candidates * stats.kept.shape[0]).clamp(min=1)
-    return torch.where(candidates > 0, density.clamp(max=1.0), torch.ones_like(density))
+    covered = kept.new_zeros(num_docs).index_add_(0, block_doc, candidates.float())
+    density = kept_per_doc / (covered * kept_rows.shape[0]).clamp(min=1)
+    return torch.where(covered > 0, density.clamp(max=1.0), torch.ones_like(density))
 
 
 def sparsebalance_attention(

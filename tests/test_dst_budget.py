@@ -39,31 +39,40 @@ def test_straggler_goes_sparser_fast_rank_denser_within_p(model, p):
     for rb in (slow, fast):
         for b in rb.budgets:
             assert TAU0 - p - 1e-9 <= b.tau <= min(TAU0 + p, 1.0) + 1e-9
-    # The fast rank aims at most p above its base density; its cap keeps it from passing the anchor.
-    assert views[1].density < fast.density <= views[1].density + p + 1e-9
-    ceiling = fast.budgets[0].max_density
-    if ceiling is None:
-        assert model.predict(SHORT, 1.0) <= anchor * (1 + 1e-9)
-    else:
-        assert model.predict(SHORT, ceiling) == pytest.approx(anchor)
     assert slow.budgets[0].tau < TAU0 < fast.budgets[0].tau
-    # The straggler's cap is chosen from the latency model, not bounded by p: its predicted time reaches
-    # the anchor (the mean lies within its range here).
+    # Kept tiles scale relative to the base selection: the straggler's down to its anchor time (not bounded
+    # by p: the mean lies within its range here), the fast rank's ceiling at the anchor.
     assert views[0].low < anchor
-    assert slow.budgets[0].max_density == pytest.approx(slow.density)
+    assert slow.budgets[0].max_density is None and fast.budgets[0].max_density is None
+    assert slow.budgets[0].density_scale == pytest.approx(slow.density / views[0].density)
     assert model.predict(LONG, slow.density) == pytest.approx(anchor, rel=1e-6)
+    assert views[1].density < fast.density <= views[1].density + p + 1e-9
+    ceiling = fast.budgets[0].density_scale * views[1].density
+    assert ceiling >= fast.density
+    assert ceiling == pytest.approx(1.0) or model.predict(SHORT, ceiling) == pytest.approx(anchor)
     chosen = [v.at(anchor) for v in views]
     assert imbalance(chosen) < imbalance([v.base for v in views])
 
 
-def test_straggler_cap_stops_at_min_density(model):
+def test_straggler_stops_at_min_density(model):
     p = 0.1
     views = [outlook(model, lengths, [0.9] * len(lengths), p, min_density=0.6) for lengths in (LONG, SHORT)]
     anchor = anchor_time([v.base for v in views], "min")
     slow = rank_budget(model, LONG, views[0], anchor, p, BASE)
     assert views[0].floor == 0.6 and views[0].low > anchor
-    assert slow.budgets[0].max_density == pytest.approx(0.6)
+    assert slow.density == pytest.approx(0.6)
+    assert slow.budgets[0].density_scale == pytest.approx(0.6 / views[0].density)
     assert slow.budgets[0].tau == pytest.approx(TAU0 - p)
+
+
+def test_per_row_base_cap_stays_for_a_straggler_and_rises_for_a_fast_rank(model):
+    p = 0.1
+    base = [LayerBudget(TAU0, 0.5)] * 4
+    views = _views(model, p, density=0.5)
+    anchor = anchor_time([v.base for v in views], "mean")
+    slow, fast = (rank_budget(model, lengths, v, anchor, p, base) for lengths, v in zip((LONG, SHORT), views))
+    assert slow.budgets[0].max_density == 0.5
+    assert fast.budgets[0].max_density == pytest.approx(0.5 + fast.shift * p)
 
 
 def test_static_budget_at_p_zero(model):

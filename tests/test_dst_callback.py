@@ -45,7 +45,7 @@ class MinimalTunable(L.LightningModule):
         self.layer_budgets = [LayerBudget(TAU0)]
         self.latency_model: LatencyModel | None = None
         self.density_estimator = DensityEstimator(block_size=64)
-        self.history: list[tuple[int, float, float | None]] = []
+        self.history: list[tuple[int, float, float | None, float]] = []  # step, tau, cap, kept density
         self._report: SparsityReport | None = None
 
     def setup(self, stage: str) -> None:
@@ -60,11 +60,12 @@ class MinimalTunable(L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         budget = self.layer_budgets[0]
-        density = min(budget.tau, budget.max_density or 1.0)
+        scaled = TAU0 * budget.density_scale if budget.density_scale is not None else 1.0  # base keeps tau0
+        density = min(budget.tau, budget.max_density or 1.0, scaled)
         lengths = batch["lengths"].double().numpy()
         seconds = float(kept_tiles(lengths, density, 64).sum()) * SECONDS_PER_TILE
         self._report = SparsityReport([density], [density], [TAU0] * len(lengths), seconds)
-        self.history.append((self.global_step, budget.tau, budget.max_density))
+        self.history.append((self.global_step, budget.tau, budget.max_density, density))
         return ((self.weight - density) ** 2).sum()
 
     def sparsity_report(self) -> SparsityReport | None:
@@ -96,7 +97,7 @@ def test_protocol_is_checked(tmp_path):
 def test_single_rank_keeps_base_budget_and_logs(tmp_path):
     module, dst = MinimalTunable(EQUAL), DynamicSparsityTuning(anchor="adaptive")
     _trainer(tmp_path, 3, [dst]).fit(module)
-    assert [(tau, cap) for _, tau, cap in module.history] == [(TAU0, None)] * 3
+    assert [(tau, cap) for _, tau, cap, _ in module.history] == [(TAU0, None)] * 3
     assert "dst/rank0/tau" in module.trainer.logged_metrics
     state = dst.state_dict()
     assert set(state) == {"latency", "density", "recall_slope", "log_speeds", "shifts", "budgets"}
@@ -133,10 +134,10 @@ def test_slow_rank_gets_sparser_then_balanced_and_resumes_identically(tmp_path):
     rows = list(csv.DictReader(open(first / "logs/version_0/metrics.csv")))
     imbalance = [float(r["dst/measured_imbalance"]) for r in rows if r.get("dst/measured_imbalance")]
     assert imbalance[0] > 1.15 and max(imbalance[-3:]) < 1.1, imbalance
-    taus = {r: [tau for _, tau, _ in runs[r]] for r in runs}
+    taus = {r: [tau for _, tau, *_ in runs[r]] for r in runs}
     assert taus[1][-1] < TAU0 < taus[0][-1]
-    density = [min(tau, cap or 1.0) for _, tau, cap in runs[1]]  # what the toy keeps
-    assert density[-1] < TAU0 - p  # in this near-uniform regime the cap, not tau, balances
+    density = [d for *_, d in runs[1]]  # what the toy keeps
+    assert density[-1] < TAU0 - p  # in this near-uniform regime the scale, not tau, balances
     assert all(abs(a - b) <= p + 1e-9 for a, b in zip(density, density[1:]))
     for series in taus.values():
         assert all(TAU0 - p - 1e-9 <= t <= TAU0 + p + 1e-9 for t in series)

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from sparsebalance_pl.kernels import attention_recall, select_blocks
+from sparsebalance_pl.kernels import attention_recall, rank_blocks, select_blocks
 from sparsebalance_pl.kernels.layout import candidate_tiles, forced_tiles, token_doc_ids
+from sparsebalance_pl.kernels.selection import estimate_block_mass
 
 CU = torch.tensor([0, 70, 75, 200, 300], dtype=torch.int32)  # documents not aligned to blocks of 16 or 32
 
@@ -46,6 +47,25 @@ def test_structure_and_cap(seed, tau, max_density):
     if max_density is not None:
         cap = torch.maximum(forced.sum(-1), (max_density * candidates.sum(-1)).floor().long())
         assert (mask.sum(-1) <= cap).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.7, 1.5])
+def test_tile_budget_drops_the_least_mass_across_rows_and_heads(seed, fraction):
+    q, k = qk(seed, smooth=True)
+    ranking = rank_blocks(q, k, CU, block_size=16, stride=8)
+    free, _ = ranking.select(0.95)
+    assert torch.equal(free, select_blocks(q, k, CU, block_size=16, tau=0.95, stride=8))
+    candidates, forced = structure(16)
+    forced = forced.expand_as(free)
+    budget = int(forced.sum() + fraction * (free & ~forced).sum())
+    mask, stats = ranking.select(0.95, max_tiles=budget)
+    assert torch.equal(stats.kept, mask.sum(-1)) and (mask | ~forced).all() and not (mask & ~free).any()
+    assert int(mask.sum()) == min(budget, int(free.sum()))
+    mass = estimate_block_mass(q, k, token_doc_ids(CU, 300), 16, 8, 16**-0.5)
+    kept, dropped = mass[mask & ~forced], mass[free & ~mask]
+    if kept.numel() and dropped.numel():
+        assert kept.min() >= dropped.max() - 1e-6  # one threshold over the whole call, not one per row
 
 
 def test_non_contiguous_inputs_give_the_same_mask():
