@@ -54,30 +54,29 @@ class BlockRanking:
     mass_before: torch.Tensor  # float [Hq, nB, nB], estimated mass of the blocks ranked before each rank
     row_mass: torch.Tensor  # float [Hq, nB, 1], estimated mass of each row (1 up to rounding)
 
-    def kept_at(self, taus, max_density: float | None = None, max_tiles: int | None = None) -> torch.Tensor:
+    def kept_at(self, taus, max_density: float | None = None, max_tiles=None) -> torch.Tensor:
         """[Hq, nB, len(taus)] blocks each row keeps at each tau, with the per-row cap ``max_density`` and a
-        bound ``max_tiles`` on the kept tiles of all rows together (never below the always-kept ones)."""
+        bound ``max_tiles`` (int or 0-d tensor) on the kept tiles of all rows together."""
         count = _kept_counts(self.mass_before, self.row_mass, self.candidates, self.forced, taus, max_density)
         if max_tiles is None:
             return count
         return torch.stack([self._within(count[..., i], max_tiles) for i in range(count.shape[-1])], dim=-1)
 
-    def _within(self, count: torch.Tensor, max_tiles: int) -> torch.Tensor:
-        """``count`` [Hq, nB] cut to at most ``max_tiles`` kept tiles: the optional blocks (ranked after the
-        always-kept ones) of least estimated mass go first, across rows and heads."""
+    def _within(self, count: torch.Tensor, max_tiles) -> torch.Tensor:
+        """``count`` [Hq, nB] cut to at most ``max_tiles`` kept tiles (never below the always-kept ones): the
+        optional blocks (ranked after the always-kept ones) of least estimated mass go first, across rows and
+        heads. One threshold on the mass, no host synchronisation; tied masses at it are all dropped."""
         forced = self.forced.expand_as(count)
-        spare = max(int(max_tiles) - int(forced.sum()), 0)
-        if int(count.sum()) - int(forced.sum()) <= spare:
-            return count
         ranks = torch.arange(self.order.shape[-1], device=count.device)
         optional = (ranks >= forced[..., None]) & (ranks < count[..., None])
-        mass = torch.where(optional, self.sorted_mass, torch.full_like(self.sorted_mass, -1.0)).flatten()
-        chosen = torch.zeros_like(mass, dtype=torch.bool)
-        chosen[mass.topk(spare).indices] = True
-        return forced + chosen.view_as(optional).sum(dim=-1)
+        mass = torch.where(optional, self.sorted_mass, torch.full_like(self.sorted_mass, -1.0))
+        ordered = mass.flatten().sort(descending=True).values
+        spare = torch.as_tensor(max_tiles, device=count.device) - forced.sum()
+        first_dropped = ordered[spare.clamp(0, ordered.numel() - 1).long()]
+        return forced + (mass > first_dropped).sum(dim=-1)
 
     def select(
-        self, tau: float, max_density: float | None = None, max_tiles: int | None = None
+        self, tau: float, max_density: float | None = None, max_tiles=None
     ) -> tuple[torch.Tensor, "SelectionStats"]:
         """The block mask [Hq, nB, nB] of this budget and its ``SelectionStats``."""
         check_fraction("tau", tau)

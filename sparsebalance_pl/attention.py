@@ -242,7 +242,7 @@ def _sparse_attention(
         with torch.no_grad():
             ranking = rank_blocks(q.detach(), k.detach(), ctx.cu_seqlens, block_size=cfg.block_size, stride=cfg.stride)
             base_kept = ranking.kept_at([base.tau], base.max_density)[..., 0]
-            max_tiles = None if budget.density_scale is None else int(budget.density_scale * int(base_kept.sum()))
+            max_tiles = None if budget.density_scale is None else (budget.density_scale * base_kept.sum()).floor()
             mask, stats = ranking.select(budget.tau, budget.max_density, max_tiles)
         ctx.masks[layer] = mask
         ctx.stats[layer] = LayerStats(
