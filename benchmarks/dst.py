@@ -7,8 +7,9 @@ one run (same data, same seed, each from a fresh model) and the first ``--warmup
 latency model calibrates, are left out. Reported per variant: median step time (rank 0's wall time from
 batch start to batch end, which includes waiting for the other rank in FSDP's collectives), its ratio to
 static, median measured imbalance of the attention calls, and mean exact recall (sampled rows) per rank.
-The regime line gives the mean density and recall at the base budget (DESIGN.md 4.4). Timings on a shared
-CPU are noisy: read the ratios, not the absolute times.
+The regime line gives the mean density and recall at the base budget (DESIGN.md 4.4). ``--out`` gets the
+summaries and every measured step's DST metrics as JSON. Timings on a shared CPU are noisy: read the
+ratios, not the absolute times.
 
     python benchmarks/dst.py [--tokens 4096] [--short-docs 8] [--steps 8] [--warmup 3] [--rounds 1] [--init DIR]
 """
@@ -126,7 +127,8 @@ def main() -> None:
         print(f"{name:<16}{s['step_s']:8.3f}{ratio:9.2f}{s['measured_imbalance']:7.2f}{s['tau0']:6.2f}"
               f"{s['tau1']:6.2f}{s['recall0']:7.3f}{s['recall1']:7.3f}{(s['recall0'] + s['recall1']) / 2:10.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+    report = {"args": {k: str(v) for k, v in vars(args).items()}, "results": results, "steps": rows}
+    args.out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
