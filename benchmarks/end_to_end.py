@@ -13,9 +13,11 @@ Static variants run the DST callback with p = 0, so it only measures: every vari
 per-rank attention times (collective-free), from which measured imbalance and balance efficiency come.
 All variants start from ``--init`` (a Hugging Face directory, e.g. ``main.py export`` of a demo checkpoint
 trained until its attention is sharp) or from random initialisation (``--init none``); the regime line
-gives the baseline's mean density and recall at the base budget (DESIGN.md 4.4). Per variant: median step
-time after ``--warmup`` steps, global tokens per second, measured imbalance, balance efficiency, final
-training loss (mean of the last 5 steps) and validation loss, mean exact recall (sampled rows). Ratios are
+gives the baseline's mean density and recall at the base budget (DESIGN.md 4.4) and its predicted
+whole-step imbalance across ranks, the most that any balancing can gain. Per variant: median step
+time after ``--warmup`` steps, global tokens per second (and its ratio to the baseline: the speed-up per
+token), measured imbalance, balance efficiency, final training loss (mean of the last 5 steps) and
+validation loss, mean exact recall (sampled rows). Ratios are
 against the static baseline of the same invocation. Writes ``results.json``, ``results.md`` and PNG plots
 to ``--out``. Timings on a shared machine drift: ``--rounds`` repeats the whole set of variants in turn.
 
@@ -160,6 +162,7 @@ def summarise(rows: list[dict], warmup: int) -> dict:
     val = [r["val/loss"] for r in rows if "val/loss" in r]
     recalls = [v for r in range(len(rank_times)) for v in per_step(rows, f"dst/rank{r}/recall").values()]
     densities = [v for r in range(len(rank_times)) for v in per_step(rows, f"dst/rank{r}/density").values()]
+    predicted = [v for s, v in per_step(rows, "dst/predicted_imbalance_base").items() if s >= warmup]
 
     def mean(values):
         return statistics.fmean(values) if values else math.nan
@@ -171,6 +174,8 @@ def summarise(rows: list[dict], warmup: int) -> dict:
         "tokens_per_s": statistics.median(v for s, v in per_step(rows, "train/tokens_per_s").items() if s >= warmup),
         "measured_imbalance": statistics.median(imbalance(m) for m in measured) if measured else math.nan,
         "balance_efficiency": balance_efficiency(measured) if measured else math.nan,
+        "predicted_step_imbalance": statistics.median(predicted) if predicted else math.nan,
+        "predicted_step_imbalance_mean": mean(predicted),
         "train_loss": mean(losses[-5:]),
         "val_loss": val[-1] if val else math.nan,
         "recall": mean(recalls),
@@ -202,13 +207,14 @@ def markdown_table(results: dict, regime: str, args: argparse.Namespace) -> str:
         f"Regime: {regime}. {length}, median step time after {args.warmup} warm-up steps, "
         f"{args.rounds} round(s); speed-up of the {speedup_of} step time against `{BASELINE}` (static sparse, "
         "first-fit). Over an epoch every variant trains the same documents; over a fixed number of steps they "
-        "see different ones, and a planner that fills its batches less has shorter steps (tokens/s). Imbalance "
+        "see different ones, and a planner that fills its batches less has shorter steps: the tokens/s ratio "
+        f"against `{BASELINE}` is the speed-up per token. Imbalance "
         "(max / mean) and balance efficiency are of the ranks' measured attention time, the part the collectives "
         "do not blur; SAB balances the whole step's predicted time, so it may leave attention unbalanced.",
         "",
-        "| variant | steps | total s | median step s | speed-up | tokens/s | attn imbalance | attn balance eff. "
-        "| train loss | val loss | recall | density |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | steps | total s | median step s | speed-up | tokens/s | tokens/s ratio | attn imbalance "
+        "| attn balance eff. | train loss | val loss | recall | density |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     def cell(value: float, digits: int) -> str:
         return "n/a" if math.isnan(value) else f"{value:.{digits}f}"  # dense attention reports no sparsity
@@ -216,9 +222,10 @@ def markdown_table(results: dict, regime: str, args: argparse.Namespace) -> str:
     for name, r in results.items():
         key = "total_s" if epoch else "step_s"
         speedup = base[key] / r[key] if base else math.nan
+        throughput = r["tokens_per_s"] / base["tokens_per_s"] if base else math.nan
         lines.append(
             f"| {name} | {r['steps']:.0f} | {r['total_s']:.1f} | {r['step_s']:.3f} | {speedup:.2f}x "
-            f"| {r['tokens_per_s']:.0f} "
+            f"| {r['tokens_per_s']:.0f} | {throughput:.2f}x "
             f"| {cell(r['measured_imbalance'], 3)} | {cell(r['balance_efficiency'], 3)} | {r['train_loss']:.4f} "
             f"| {cell(r['val_loss'], 4)} | {cell(r['recall'], 3)} | {cell(r['density'], 3)} |"
         )
@@ -266,7 +273,9 @@ def main(argv=None) -> None:
     reference = results.get(BASELINE) or next(iter(results.values()))
     init = "random initialisation" if args.init == "none" else f"from {args.init}"
     regime = (f"{init}; baseline mean density {reference['density']:.3f}, exact recall {reference['recall']:.3f} "
-              f"at tau {base['model']['attention']['tau']}")
+              f"at tau {base['model']['attention']['tau']}; the baseline's predicted whole-step imbalance across "
+              f"ranks (max / mean, the most any balancing can remove) median "
+              f"{reference['predicted_step_imbalance']:.3f}, mean {reference['predicted_step_imbalance_mean']:.3f}")
     table = markdown_table(results, regime, args)
     print(table)
     (args.out / "results.md").write_text(table)
