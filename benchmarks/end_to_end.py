@@ -199,9 +199,9 @@ def merge_rounds(rounds: list[list[dict]], warmup: int) -> dict:
 def markdown_table(results: dict, regime: str, args: argparse.Namespace) -> str:
     base = results.get(BASELINE)
     epoch = args.epoch_documents is not None
-    length = f"one epoch over {args.epoch_documents} documents" if epoch else f"{args.steps} steps"
+    length = f"One epoch over {args.epoch_documents} documents" if epoch else f"{args.steps} steps"
     if args.max_tokens is not None:
-        length += f" of documents and micro-batches up to {args.max_tokens} tokens"
+        length += f", documents and micro-batches of up to {args.max_tokens} tokens"
     speedup_of = "total" if epoch else "median"
     lines = [
         f"Regime: {regime}. {length}, median step time after {args.warmup} warm-up steps, "
