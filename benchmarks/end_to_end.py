@@ -14,7 +14,8 @@ per-rank attention times (collective-free), from which measured imbalance and ba
 All variants start from ``--init`` (a Hugging Face directory, e.g. ``main.py export`` of a demo checkpoint
 trained until its attention is sharp) or from random initialisation (``--init none``); the regime line
 gives the baseline's mean density and recall at the base budget (DESIGN.md 4.4) and its predicted
-whole-step imbalance across ranks, the most that any balancing can gain. Per variant: median step
+whole-step imbalance across ranks (the most that any balancing can gain), how many of its steps are
+imbalanced, and the share of the step its slowest rank spends in attention. Per variant: median step
 time after ``--warmup`` steps, global tokens per second (and its ratio to the baseline: the speed-up per
 token), measured imbalance, balance efficiency, final training loss (mean of the last 5 steps) and
 validation loss, mean exact recall (sampled rows). Ratios are
@@ -58,6 +59,7 @@ VARIANTS = {
     "sparsebalance": ("sparse", "sab", None),
 }
 BASELINE = "static"
+IMBALANCED = 1.05  # a step whose predicted max / mean across ranks exceeds this counts as imbalanced
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -163,6 +165,7 @@ def summarise(rows: list[dict], warmup: int) -> dict:
     recalls = [v for r in range(len(rank_times)) for v in per_step(rows, f"dst/rank{r}/recall").values()]
     densities = [v for r in range(len(rank_times)) for v in per_step(rows, f"dst/rank{r}/density").values()]
     predicted = [v for s, v in per_step(rows, "dst/predicted_imbalance_base").items() if s >= warmup]
+    attention_share = [max(t[s] for t in rank_times) / step_s[s] for s in steps if s >= warmup and s in step_s]
 
     def mean(values):
         return statistics.fmean(values) if values else math.nan
@@ -176,6 +179,9 @@ def summarise(rows: list[dict], warmup: int) -> dict:
         "balance_efficiency": balance_efficiency(measured) if measured else math.nan,
         "predicted_step_imbalance": statistics.median(predicted) if predicted else math.nan,
         "predicted_step_imbalance_mean": mean(predicted),
+        "imbalanced_steps": sum(v > IMBALANCED for v in predicted),
+        "timed_steps": len(predicted),
+        "attention_share": statistics.median(attention_share) if attention_share else math.nan,
         "train_loss": mean(losses[-5:]),
         "val_loss": val[-1] if val else math.nan,
         "recall": mean(recalls),
@@ -275,7 +281,10 @@ def main(argv=None) -> None:
     regime = (f"{init}; baseline mean density {reference['density']:.3f}, exact recall {reference['recall']:.3f} "
               f"at tau {base['model']['attention']['tau']}; the baseline's predicted whole-step imbalance across "
               f"ranks (max / mean, the most any balancing can remove) median "
-              f"{reference['predicted_step_imbalance']:.3f}, mean {reference['predicted_step_imbalance_mean']:.3f}")
+              f"{reference['predicted_step_imbalance']:.3f}, mean {reference['predicted_step_imbalance_mean']:.3f}, "
+              f"over {IMBALANCED} on {reference['imbalanced_steps']:.0f} of {reference['timed_steps']:.0f} timed steps; the "
+              f"slowest rank's "
+              f"attention is {reference['attention_share']:.0%} of the step (median)")
     table = markdown_table(results, regime, args)
     print(table)
     (args.out / "results.md").write_text(table)

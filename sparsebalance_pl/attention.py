@@ -241,9 +241,13 @@ def _sparse_attention(
         budget, base = ctx.budgets[layer], (ctx.base_budgets or ctx.budgets)[layer]
         with torch.no_grad():
             ranking = rank_blocks(q.detach(), k.detach(), ctx.cu_seqlens, block_size=cfg.block_size, stride=cfg.stride)
-            base_kept = ranking.kept_at([base.tau], base.max_density)[..., 0]
+            # The base budget's kept blocks size the tile scale and give the base densities; when the budget
+            # is the base one (static, evaluation), the selection's own counts are those.
+            base_kept = None if budget == base else ranking.kept_at([base.tau], base.max_density)[..., 0]
             max_tiles = None if budget.density_scale is None else (budget.density_scale * base_kept.sum()).floor()
             mask, stats = ranking.select(budget.tau, budget.max_density, max_tiles)
+            if base_kept is None:
+                base_kept = stats.kept
         ctx.masks[layer] = mask
         ctx.stats[layer] = LayerStats(
             density=stats.mean_density(),
