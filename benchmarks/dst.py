@@ -76,6 +76,7 @@ def run_variant(anchor: str, p: float, args: argparse.Namespace) -> list[dict[st
     )
     recorder = StepRecorder()
     dst = DynamicSparsityTuning(anchor="mean" if anchor == "static" else anchor, p=p)
+    dst.connect(module.cost_model)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=FSDP2Strategy(), max_steps=args.steps, logger=False,
         callbacks=[dst, recorder], enable_progress_bar=False, enable_model_summary=False,

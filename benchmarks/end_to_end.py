@@ -116,7 +116,7 @@ def variant_config(base: dict, name: str, args: argparse.Namespace, run_dir: Pat
     }
     dst = {"class_path": "sparsebalance_pl.callbacks.DynamicSparsityTuning",
            "init_args": {"anchor": args.anchor, "p": args.p if p is None else p}}
-    trainer["callbacks"] = [dst]
+    trainer["callbacks"] = [{"class_path": "sparsebalance_pl.callbacks.DensityCalibration"}, dst]
     model = cfg["model"]
     model["attention"]["backend"] = backend
     model["attention"]["recall_rows"] = args.recall_rows if backend == "sparse" else 0

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from sparsebalance_pl.latency import LatencyModel  # noqa: E402
 from sparsebalance_pl.model import ModelConfig  # noqa: E402
-from sparsebalance_pl.profiler import (  # noqa: E402
+from sparsebalance_pl.cost.profiler import (  # noqa: E402
     ModelStep,
     check_clock,
     device_name,

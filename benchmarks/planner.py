@@ -30,9 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from sparsebalance_pl.datamodules.density import DensityEstimator
+from sparsebalance_pl.cost.density import DensityEstimator
 from sparsebalance_pl.datamodules.partition import karmarkar_karp, partition
-from sparsebalance_pl.datamodules.planner import GlobalBatch, PlannerConfig, balance_efficiency, plan_epoch
+from sparsebalance_pl.balance import balance_efficiency
+from sparsebalance_pl.datamodules.planner import GlobalBatch, PlannerConfig, plan_epoch
 from sparsebalance_pl.latency import LatencyModel
 
 QWEN25_05B = {
@@ -95,19 +96,18 @@ class Score:
     """Accumulates balance efficiency, worst tokens over capacity and planning time."""
 
     def __init__(self) -> None:
-        self.mean = self.slowest = self.seconds = 0.0
-        self.overflow = 0.0
+        self.steps: list[np.ndarray] = []
+        self.seconds = self.overflow = 0.0
         self.batches = 0
 
     def add(self, rank_costs: np.ndarray, rank_tokens: np.ndarray, capacity: int, seconds: float) -> None:
-        self.mean += rank_costs.mean()
-        self.slowest += rank_costs.max()
+        self.steps.append(rank_costs)
         self.overflow = max(self.overflow, rank_tokens.max() / capacity)
         self.seconds += seconds
         self.batches += 1
 
     def cell(self) -> str:
-        return f"{self.mean / self.slowest:.4f} {self.overflow:4.2f}x {1e3 * self.seconds / self.batches:5.1f}ms"
+        return f"{balance_efficiency(self.steps):.4f} {self.overflow:4.2f}x {1e3 * self.seconds / self.batches:5.1f}ms"
 
 
 def run_row(
@@ -171,7 +171,7 @@ def time_large_batch(lengths: np.ndarray, models: dict[str, CostFn], docs: int =
             f"{docs} documents over {ranks} ranks (capacity {capacity}, 99% full), {name}: partition median "
             f"{1e3 * np.median(partition_s):.1f} ms (max/mean {slowest / mean:.4f}, bound "
             f"{max(mean, costs.max()) / mean:.4f}); planner step median {1e3 * np.median(plan_s):.1f} ms "
-            f"({planned} documents kept in the batch, max/mean {1 / balance_efficiency([batch]):.4f})"
+            f"({planned} documents kept in the batch, max/mean {batch.imbalance:.4f})"
         )
     tic = time.perf_counter()
     karmarkar_karp(models["dense"](sample.astype(np.float64)), ranks)

@@ -26,15 +26,13 @@ from typing import Literal
 import numpy as np
 
 from sparsebalance_pl.attention import LayerBudget
-from sparsebalance_pl.callbacks.protocol import TIMED_TERMS
-from sparsebalance_pl.latency import TERMS, LatencyModel
+from sparsebalance_pl.cost.latency import LatencyModel
 
 Anchor = Literal["mean", "median", "min", "max", "adaptive"]
 ANCHORS: tuple[str, ...] = ("mean", "median", "min", "max", "adaptive")
 #: Fixed anchors in the order the adaptive anchor tries them (cheapest step time first).
 FIXED_ANCHORS: tuple[str, ...] = ("min", "median", "mean", "max")
 MIN_TAU = 0.01
-_TIMED = np.array([name in TIMED_TERMS for name in TERMS], dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -64,13 +62,6 @@ class Outlook:
         """Approximate density at ``anchor``: time is close to linear in density between the range ends."""
         high = min(self.density + p, 1.0)
         return float(np.interp(self.at(anchor), [self.low, self.base, self.high], [self.floor, self.density, high]))
-
-
-def with_speed(model: LatencyModel, speed: float) -> LatencyModel:
-    """``model`` for a rank whose timed terms (attention, selection) run ``speed`` times slower than predicted."""
-    calibration = model.calibration
-    log_scales = calibration.log_scales + np.log(speed) * _TIMED
-    return LatencyModel(model.table, replace(calibration, log_scales=log_scales))
 
 
 def outlook(

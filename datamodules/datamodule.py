@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
 import lightning as L
 import numpy as np
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
@@ -27,7 +26,10 @@ from sparsebalance_pl.datamodules.sampler import (
 )
 from sparsebalance_pl.datamodules.synthetic import LengthPrior
 from sparsebalance_pl.datamodules.tokenizer import load_tokenizer
+from sparsebalance_pl.cost import CostModel
+from sparsebalance_pl.distributed import check_ranks_agree
 from sparsebalance_pl.errors import ConfigError, DataError
+from sparsebalance_pl.evaluation import Evaluation, LongBenchEvaluation, RetrievalEvaluation
 
 
 class PlanItems(Dataset):
@@ -129,8 +131,8 @@ class LongContextDataModule(L.LightningDataModule):
         eval_max_new_tokens: most tokens generated per LongBench answer; each costs a forward of the whole
             packed micro-batch (no KV cache).
 
-    Costs for ``sab`` come from the LightningModule's ``document_costs(lengths) -> seconds`` when it has one
-    (SparseQwen: latency model at the estimated density of each document); otherwise from token counts.
+    Costs for ``sab`` come from the run's ``CostModel`` once ``connect`` handed it over (``main.py`` hands the
+    module's): predicted seconds of each document at its estimated density. Without one, from token counts.
     """
 
     def __init__(
@@ -231,6 +233,11 @@ class LongContextDataModule(L.LightningDataModule):
         self.planned_efficiency: dict[int, float] = {}
         self._resume: dict | None = None
         self.plan_costs: tuple[int, np.ndarray] | None = None  # (epoch, per-document costs it was planned with)
+        self.cost_model: CostModel | None = None
+
+    def connect(self, cost_model: CostModel) -> None:
+        """The run's cost model, whose document costs sparsity-aware batching balances."""
+        self.cost_model = cost_model
 
     @property
     def vocab_size(self) -> int:
@@ -255,9 +262,8 @@ class LongContextDataModule(L.LightningDataModule):
         return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
 
     def _document_costs(self, lengths: np.ndarray) -> np.ndarray:
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        costs_of = getattr(module, "document_costs", None)
-        return np.asarray(costs_of(lengths) if costs_of is not None else lengths, dtype=np.float64)
+        costs = lengths if self.cost_model is None else self.cost_model.document_costs(lengths)
+        return np.asarray(costs, dtype=np.float64)
 
     def _train_plan(self, lengths: np.ndarray, epoch: int, costs: np.ndarray | None = None) -> EpochPlan:
         """The epoch's plan from each document's predicted cost, computed now unless given (a resumed run
@@ -289,21 +295,12 @@ class LongContextDataModule(L.LightningDataModule):
 
     def _check_ranks_agree(self, lengths: np.ndarray) -> None:
         """Stop when ranks would plan from different data or settings: their plans would diverge and the
-        collectives hang. One all-gather of a digest, at start."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return
-        digest = hashlib.sha256(np.ascontiguousarray(lengths, dtype=np.int64).tobytes())
-        digest.update(repr((self.seed, self.batching, self.max_tokens, self.tokens_per_rank, self.defer_window,
-                            self.micro_batches)).encode())
-        digests: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, digest.hexdigest())
-        if len(set(digests)) > 1:
-            groups = {d: [r for r, x in enumerate(digests) if x == d] for d in set(digests)}
-            ranks = "; ".join(f"ranks {v}: {k[:12]}" for k, v in groups.items())
-            raise DataError(
-                f"ranks disagree on the training data or plan settings ({ranks}): every rank must see the same "
-                f"{self.data_dir} and data settings"
-            )
+        collectives hang."""
+        settings = (self.seed, self.batching, self.max_tokens, self.tokens_per_rank, self.defer_window, self.micro_batches)
+        check_ranks_agree(
+            np.ascontiguousarray(lengths, dtype=np.int64).tobytes() + repr(settings).encode(),
+            f"the training data or plan settings: every rank must see the same {self.data_dir} and data settings",
+        )
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         import litdata  # heavy to import; only the dataloader hooks need it
@@ -359,17 +356,31 @@ class LongContextDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         return self._loader("val", train=False) if self.val_fraction > 0 else []
 
-    def test_dataloader(self) -> SequentialLoaders:
-        """The synthetic retrieval tasks (``eval_tasks`` at ``eval_lengths``), generated in memory, then the
-        LongBench prompts (``eval_longbench``), each packed with room for its generated answer."""
-        loaders = []
+    def evaluations(self) -> list[Evaluation]:
+        """The test suites, in the order of ``test_dataloader``'s loaders: the synthetic retrieval tasks
+        (``eval_tasks`` at ``eval_lengths``), then the LongBench prompts (``eval_longbench``)."""
+        suites: list[Evaluation] = []
         if self.eval_config.tasks:
-            samples = make_eval_samples(self.eval_config, self.tokenizer)
-            loaders.append(self._eval_loader(samples, [len(s["tokens"]) for s in samples], collate_answers))
+            suites.append(RetrievalEvaluation(self.eval_config.cells))
         if self.longbench:
-            samples = make_prompts(self.longbench, self.tokenizer, self.eval_longbench_max_tokens)
-            lengths = [len(s["tokens"]) + self.eval_max_new_tokens for s in samples]
-            loaders.append(self._eval_loader(samples, lengths, collate_prompts))
+            suites.append(LongBenchEvaluation(self.longbench_cells, self.tokenizer, self.eval_max_new_tokens))
+        return suites
+
+    def test_dataloader(self) -> SequentialLoaders:
+        """One loader per suite of ``evaluations``, read one after the other; each batch carries its suite's
+        index (``suite``). Samples are generated in memory, each packed with room for its answer."""
+        loaders = []
+        for suite in self.evaluations():
+            index = len(loaders)
+            if isinstance(suite, RetrievalEvaluation):
+                samples = make_eval_samples(self.eval_config, self.tokenizer)
+                lengths = [len(s["tokens"]) for s in samples]
+                collate = collate_answers
+            else:
+                samples = make_prompts(self.longbench, self.tokenizer, self.eval_longbench_max_tokens)
+                lengths = [len(s["tokens"]) + self.eval_max_new_tokens for s in samples]
+                collate = collate_prompts
+            loaders.append(self._eval_loader(samples, lengths, partial(_tagged, collate, index)))
         return SequentialLoaders(loaders)
 
     def _eval_loader(self, samples: list[dict], lengths: list[int], collate) -> DataLoader:
@@ -406,3 +417,7 @@ class LongContextDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         self._resume = dict(state) if state else None
 
+
+def _tagged(collate, suite: int, samples: list[dict]) -> dict:
+    """``collate(samples)`` with the index of the evaluation suite the batch belongs to."""
+    return {**collate(samples), "suite": suite}

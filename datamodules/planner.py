@@ -17,20 +17,20 @@ waiting outliers with ordinary segments that balance them, so every document is 
 per epoch and the queue never ends in a step of its own. A global batch with fewer segments than
 micro-batches (only possible at the end of an epoch) leaves some micro-batches empty.
 
-The plan from a ``PlanState`` is a pure function of (lengths, costs, config, state), so a resumed run
-restarts exactly at the next unconsumed global batch: save the ``state`` of the last consumed batch.
+The plan is a pure function of (lengths, costs, config, epoch): a resumed run plans the epoch again with the
+costs it was first planned with and skips the micro-batches it has consumed.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 
-from sparsebalance_pl.balance import balance_efficiency as balance_efficiency_of_rows
+from sparsebalance_pl.balance import imbalance
 from sparsebalance_pl.errors import ConfigError, DataError
 
 from .partition import CapacityError, partition
@@ -110,46 +110,31 @@ class PlannerConfig:
 
 
 @dataclass(frozen=True)
-class PlanState:
-    """Where a plan stands: everything needed, with the inputs, to plan the rest of the epoch.
-
-    ``cursor`` counts segments drawn from the epoch's stream; ``deferred`` holds drawn segments still
-    waiting, as (stream position, last step they may be used in).
+class _Progress:
+    """Where the plan of an epoch stands after a step: ``cursor`` counts segments drawn from the epoch's
+    stream; ``deferred`` holds drawn segments still waiting, as (stream position, last step they may be used in).
     """
 
-    epoch: int
     step: int = 0
     cursor: int = 0
     deferred: tuple[tuple[int, int], ...] = ()
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "step": self.step, "cursor": self.cursor, "deferred": [list(d) for d in self.deferred]}
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> PlanState:
-        deferred = tuple((int(p), int(d)) for p, d in state["deferred"])
-        return cls(int(state["epoch"]), int(state["step"]), int(state["cursor"]), deferred)
-
 
 @dataclass(frozen=True)
 class GlobalBatch:
-    """One step's plan: ``micro_batches[rank][micro]`` segments, with predicted costs and tokens [micro, rank]."""
+    """One step's plan: ``micro_batches[rank][micro]`` segments, with predicted costs and tokens [micro, rank];
+    ``deferred``: the drawn segments still waiting after it, as (stream position, last step they may be used in)."""
 
     index: int
     micro_batches: tuple[tuple[tuple[Segment, ...], ...], ...]
     costs: np.ndarray
     tokens: np.ndarray
-    state: PlanState
+    deferred: tuple[tuple[int, int], ...]
 
     @property
     def imbalance(self) -> float:
         """Predicted step time over its balanced time: sum over micro-batches of max / mean over ranks."""
-        return 1.0 / balance_efficiency_of_rows(self.costs)
-
-
-def balance_efficiency(batches: Iterable[GlobalBatch]) -> float:
-    """Sum over steps (micro-batch rounds) of the mean rank time over the sum of the slowest (DESIGN.md 6)."""
-    return balance_efficiency_of_rows(row for batch in batches for row in batch.costs)
+        return imbalance(self.costs)
 
 
 def plan_epoch(
@@ -157,17 +142,9 @@ def plan_epoch(
     cost_fn: CostFn,
     config: PlannerConfig,
     epoch: int,
-    *,
-    state: PlanState | None = None,
 ) -> Iterator[GlobalBatch]:
-    """The global batches of ``epoch`` in order, from its start or from ``state`` (a batch's ``state``).
-
-    ``cost_fn`` is evaluated once per call on all segment lengths; batches after a state depend only on
-    (lengths, costs, config, state), so to plan with a refined cost model, call again from the current state.
-    """
-    state = state or PlanState(epoch)
-    if state.epoch != epoch:
-        raise ValueError(f"state belongs to epoch {state.epoch}, not {epoch}")
+    """The global batches of ``epoch`` in order; ``cost_fn`` is evaluated once, on all segment lengths."""
+    state = _Progress()
     stream = _Stream.build(lengths, config, epoch)
     cost = np.asarray(cost_fn(stream.length.astype(np.float64)), dtype=np.float64)
     if cost.shape != stream.length.shape or not np.all(np.isfinite(cost)) or np.any(cost < 0):
@@ -254,7 +231,7 @@ class _Step:
     half the budget, which first-fit-decreasing packs.
     """
 
-    def __init__(self, stream: _Stream, costs: _Costs, config: PlannerConfig, state: PlanState) -> None:
+    def __init__(self, stream: _Stream, costs: _Costs, config: PlannerConfig, state: _Progress) -> None:
         self.stream, self.costs, self.config, self.state = stream, costs, config, state
         self.queue = dict(state.deferred)
         self.due: set[int] = set()
@@ -263,7 +240,7 @@ class _Step:
         self.budget = config.budget
         self.cursor = state.cursor
 
-    def select(self) -> tuple[list[int], list[list[int]], PlanState]:
+    def select(self) -> tuple[list[int], list[list[int]], _Progress]:
         """Stream positions of the chosen segments, their partition into slots, and the next state."""
         tail_steps = self._tail_steps()
         if tail_steps:
@@ -283,7 +260,7 @@ class _Step:
         for p in self.chosen:
             self.queue.pop(p, None)
         deferred = tuple(sorted(self.queue.items(), key=lambda item: (item[1], item[0])))
-        return self.chosen, parts, PlanState(self.state.epoch, self.state.step + 1, self.cursor, deferred)
+        return self.chosen, parts, _Progress(self.state.step + 1, self.cursor, deferred)
 
     def _tail_steps(self) -> int:
         """The steps the rest of the epoch (stream and queue) needs, once they are few enough to plan
@@ -295,7 +272,7 @@ class _Step:
         steps = -(-rest // self.budget)
         return steps if steps <= min(_TAIL_STEPS, self.config.defer_window + 1) else 0
 
-    def _select_tail(self, steps: int) -> tuple[list[int], list[list[int]], PlanState]:
+    def _select_tail(self, steps: int) -> tuple[list[int], list[list[int]], _Progress]:
         """Split everything left over the slots of the remaining ``steps`` at once, take the costliest
         ``slots`` slots now, topped up to the slowest of them, and queue the rest for the last step.
         One-step planning would leave the waiting outliers for a last, nearly empty step without the
@@ -316,7 +293,7 @@ class _Step:
         slot_parts = [list(range(a, b)) for a, b in zip(offsets[:-1], offsets[1:])]
         last = self.state.step + steps - 1
         deferred = tuple(sorted((p, last) for p in later))
-        return self.chosen, slot_parts, PlanState(self.state.epoch, self.state.step + 1, length.size, deferred)
+        return self.chosen, slot_parts, _Progress(self.state.step + 1, length.size, deferred)
 
     def _top_up(self, now: list[list[int]], later: list[int]) -> list[int]:
         """Move later segments, costliest first, into this step's slots below its slowest one (the
@@ -498,8 +475,7 @@ class _Step:
 
 def _efficiency(cost: np.ndarray, parts: list[list[int]]) -> float:
     """Mean over max of the slot costs."""
-    sums = np.array([cost[part].sum() for part in parts])
-    return float(sums.mean() / sums.max()) if sums.max() > 0 else 1.0
+    return 1.0 / imbalance([cost[part].sum() for part in parts])
 
 
 def _excess_tokens(cost: np.ndarray, tokens: np.ndarray, parts: list[list[int]], slots: int) -> int:
@@ -524,7 +500,7 @@ def _arrange(
     index: int,
     chosen: list[int],
     parts: list[list[int]],
-    state: PlanState,
+    state: _Progress,
 ) -> GlobalBatch:
     """Lay the slots out as [micro, rank]: costliest slots in the first micro-batch, snake order over ranks.
 
@@ -542,4 +518,4 @@ def _arrange(
         tuple(map(Segment, stream.doc[p].tolist(), stream.start[p].tolist(), stop[p].tolist())) for p in positions
     ]
     micro_batches = tuple(tuple(segments[slot] for slot in grid[:, rank]) for rank in range(config.world_size))
-    return GlobalBatch(index, micro_batches, slot_cost[grid], slot_tokens[grid], state)
+    return GlobalBatch(index, micro_batches, slot_cost[grid], slot_tokens[grid], state.deferred)

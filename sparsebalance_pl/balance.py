@@ -1,23 +1,37 @@
-"""The two balance measures every part reports (DESIGN.md 6), defined once."""
+"""The two balance measures every part reports (imbalance of a step, balance efficiency of a run), defined
+once here: the planner, the sampler, the DST callback and the benchmarks all call these."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import numpy as np
 
-
-def imbalance(times: Sequence[float]) -> float:
-    """Max over mean of the ranks' times in one step (1.0 is perfect balance)."""
-    t = np.asarray(times, dtype=np.float64)
-    return float(t.max() / t.mean()) if t.size and t.mean() > 0 else 1.0
+ArrayLike = Iterable[float] | np.ndarray
 
 
-def balance_efficiency(steps: Iterable[Sequence[float]]) -> float:
-    """Sum over steps of the mean rank time over the sum of the slowest (1.0 is perfect)."""
+def _rounds(times: ArrayLike) -> np.ndarray:
+    """[rounds, ranks]: a step's times per rank, or per micro-batch round and rank (ranks wait for each other at
+    every micro-batch under FSDP, so each round is its own synchronisation)."""
+    t = np.asarray(list(times) if not isinstance(times, np.ndarray) else times, dtype=np.float64)
+    return np.atleast_2d(t)
+
+
+def imbalance(times: ArrayLike) -> float:
+    """Time of the step over its perfectly balanced time: max over mean of the ranks' times (summed over the
+    micro-batch rounds for [rounds, ranks]). 1.0 is perfect balance."""
+    t = _rounds(times)
+    mean = float(t.mean(axis=1).sum()) if t.size else 0.0
+    return float(t.max(axis=1).sum()) / mean if mean > 0 else 1.0
+
+
+def balance_efficiency(steps: Iterable[ArrayLike]) -> float:
+    """Sum over steps of the mean rank time over the sum of the slowest (1.0 is perfect); each step as in
+    ``imbalance``."""
     mean = slowest = 0.0
     for times in steps:
-        t = np.asarray(times, dtype=np.float64)
-        mean += float(t.mean())
-        slowest += float(t.max())
+        t = _rounds(times)
+        if t.size:
+            mean += float(t.mean(axis=1).sum())
+            slowest += float(t.max(axis=1).sum())
     return mean / slowest if slowest > 0 else 1.0

@@ -27,6 +27,7 @@ from sparsebalance_pl import export
 from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.model import ModelConfig
 
+from sparsebalance_pl.callbacks import DynamicSparsityTuning
 from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
 from sparsebalance_pl.errors import ConfigError, DataError, TrainingError
 from sparsebalance_pl.module import SparseQwen
@@ -60,8 +61,17 @@ class SparseBalanceCLI(LightningCLI):
                 "trainer.use_distributed_sampler must be false: the data module shards its own batch plan"
             )
 
+    def _connect(self) -> None:
+        """Hand the module's cost model to the data module and the DST callbacks: one object, one owner."""
+        cost_model = self.model.cost_model
+        self.datamodule.connect(cost_model)
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, DynamicSparsityTuning):
+                callback.connect(cost_model)
+
     def before_fit(self) -> None:
         self._check_model_and_data()
+        self._connect()
         if self.datamodule.micro_batches != self.trainer.accumulate_grad_batches:
             raise ConfigError(
                 f"data.micro_batches={self.datamodule.micro_batches} must equal trainer.accumulate_grad_batches="
@@ -75,6 +85,7 @@ class SparseBalanceCLI(LightningCLI):
 
     def before_test(self) -> None:
         self._check_model_and_data()
+        self.model.evaluations = self.datamodule.evaluations()
 
 
 def profile(argv: list[str]) -> Path:
@@ -86,7 +97,7 @@ def profile(argv: list[str]) -> Path:
                         help="the finer full grid instead of the quick one (several times longer)")
     parser.add_argument("--device", help="default: cuda when available, else cpu")
     parsed = parser.parse_args(argv)
-    from sparsebalance_pl.profiler import profile_hardware
+    from sparsebalance_pl.cost.profiler import profile_hardware
 
     config = yaml.safe_load(Path(parsed.config).read_text())
     module_cfg = config.get("model", {})

@@ -1,5 +1,9 @@
-"""Scoring model answers: teacher-forced exact match of planted answers, and generated answers against
-LongBench-style references (QA F1 and exact match), without materialising the full logits."""
+"""Evaluation apart from training: the test suites ``main.py test`` runs, and how they score answers.
+
+Each suite scores the batches of its own test loader (the data module builds both, in the same order, and
+tags each batch with its suite's index) through a few model operations (``Scorer``), and sums its metrics
+over ranks: the synthetic retrieval tasks by teacher-forced exact match, LongBench-format prompts by greedy
+generation scored with QA F1 and exact match."""
 
 from __future__ import annotations
 
@@ -7,33 +11,15 @@ import re
 import string
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
+from sparsebalance_pl.metrics import CellAccuracy, CellMeans
+
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
-
-
-def greedy_tokens(hidden: torch.Tensor, head_weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The most likely next token at each of ``positions`` [n] of hidden states [T, H]: only those rows go
-    through the LM head."""
-    return (hidden[positions] @ head_weight.to(hidden.dtype).T).argmax(dim=-1)
-
-
-def answer_exact_match(
-    hidden: torch.Tensor, head_weight: torch.Tensor, input_ids: torch.Tensor, answer_spans: torch.Tensor
-) -> torch.Tensor:
-    """Whether greedy next-token prediction reproduces each answer, bool [n].
-
-    hidden [T, H] are the final hidden states of one packed stream, ``input_ids`` [T] its tokens and
-    ``answer_spans`` [n, 2] the answers as stream positions [start, end).
-    """
-    sizes = (answer_spans[:, 1] - answer_spans[:, 0]).tolist()
-    if not sizes:
-        return torch.zeros(0, dtype=torch.bool, device=hidden.device)
-    positions = torch.cat([torch.arange(s - 1, e - 1, device=hidden.device) for s, e in answer_spans.tolist()])
-    right = greedy_tokens(hidden, head_weight, positions) == input_ids[positions + 1]
-    return torch.stack([chunk.all() for chunk in torch.split(right, sizes)])
 
 
 def greedy_generate(
@@ -90,3 +76,81 @@ def qa_scores(prediction: str, references: Sequence[str]) -> tuple[float, float]
     f1 = max(qa_f1(prediction, r) for r in references)
     exact = max(float(normalised == normalize_answer(r)) for r in references)
     return f1, exact
+
+
+class Scorer(Protocol):
+    """The model operations an evaluation needs (``SparseQwen`` implements them)."""
+
+    device: torch.device
+
+    def answers_correct(self, batch: dict) -> torch.Tensor:
+        """bool [n]: whether greedy next-token prediction reproduces each of the batch's ``answer_spans``."""
+        ...
+
+    def greedy_next_tokens(self, sequences: list[list[int]]) -> list[int]:
+        """Each sequence's greedy next token, from one forward of them all packed into one stream."""
+        ...
+
+    def all_ranks(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (the same answer everywhere)."""
+        ...
+
+
+class RetrievalEvaluation:
+    """The synthetic long-context tasks: exact match of every answer token under teacher forcing, per (task,
+    length) cell, summed over ranks. Logged as ``test/accuracy/<task>@<length>``."""
+
+    def __init__(self, cells: Sequence[str]) -> None:
+        self.cells = list(cells)
+        self.accuracy: CellAccuracy | None = None
+
+    def update(self, model: Scorer, batch: dict) -> None:
+        if self.accuracy is None:
+            self.accuracy = CellAccuracy(self.cells).to(model.device)
+        self.accuracy.update(batch["cells"], model.answers_correct(batch))
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        if self.accuracy is None:
+            return {}
+        scores = {f"test/accuracy/{cell}": value for cell, value in self.accuracy.compute().items()}
+        self.accuracy = None
+        return scores
+
+
+class LongBenchEvaluation:
+    """LongBench-format prompts: greedy answers scored by QA F1 and exact match against the references, per
+    dataset and per dataset and length bucket, summed over ranks. Logged as
+    ``test/longbench/{f1,exact_match}/<cell>``.
+
+    Without a KV cache each new token is one forward of the whole packed micro-batch: up to ``max_new_tokens``
+    forwards per micro-batch. Generation ends early only when every rank is done.
+    """
+
+    def __init__(self, cells: Sequence[str], tokenizer, max_new_tokens: int) -> None:
+        self.cells = list(cells)
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.scores: CellMeans | None = None
+
+    def update(self, model: Scorer, batch: dict) -> None:
+        generated = greedy_generate(
+            model.greedy_next_tokens, batch["prompts"], self.max_new_tokens, self.tokenizer.eos_id,
+            stop=model.all_ranks,
+        )
+        scores = [qa_scores(self.tokenizer.decode(ids), answers) for ids, answers in zip(generated, batch["answers"])]
+        if self.scores is None:
+            self.scores = CellMeans(self.cells, ["f1", "exact_match"]).to(model.device)
+        scored = batch["scored"]
+        self.scores.update(batch["cells"][scored], torch.tensor(scores, device=model.device)[scored])
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        if self.scores is None:
+            return {}
+        logged = {}
+        for score, cells in self.scores.compute().items():
+            logged |= {f"test/longbench/{score}/{cell}": value for cell, value in cells.items()}
+        self.scores = None
+        return logged
+
+
+Evaluation = RetrievalEvaluation | LongBenchEvaluation

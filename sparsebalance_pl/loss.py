@@ -8,7 +8,8 @@ head weight during the forward, so neither the logits nor their softmax are ever
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from sparsebalance_pl.distributed import global_sum, world_size
 
 IGNORE_INDEX = -100
 
@@ -76,18 +77,6 @@ def chunked_cross_entropy_sum(
     with torch.autocast(device_type, enabled=False):
         loss_sum = _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens, compute_dtype)
     return loss_sum, (targets != IGNORE_INDEX).sum()
-
-
-def global_sum(value: torch.Tensor) -> torch.Tensor:
-    """Sum of a tensor over all ranks (the value itself when not distributed); no autograd through it."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        value = value.detach().clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def globally_normalised_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,9 +12,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from sparsebalance_pl.attention import AttentionContext
 from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl.loss import chunked_cross_entropy_sum
 
 
 @dataclass(frozen=True)
@@ -160,3 +163,58 @@ class ModelConfig:
 def count_parameters(model: torch.nn.Module) -> int:
     """Unique parameters (tied embeddings counted once), on any device including meta."""
     return sum(p.numel() for p in model.parameters())
+
+
+def greedy_tokens(hidden: torch.Tensor, head_weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The most likely next token at each of ``positions`` [n] of hidden states [T, H]: only those rows go
+    through the LM head."""
+    return (hidden[positions] @ head_weight.to(hidden.dtype).T).argmax(dim=-1)
+
+
+def answer_exact_match(
+    hidden: torch.Tensor, head_weight: torch.Tensor, input_ids: torch.Tensor, answer_spans: torch.Tensor
+) -> torch.Tensor:
+    """Whether greedy next-token prediction reproduces each answer, bool [n].
+
+    hidden [T, H] are the final hidden states of one packed stream, ``input_ids`` [T] its tokens and
+    ``answer_spans`` [n, 2] the answers as stream positions [start, end).
+    """
+    sizes = (answer_spans[:, 1] - answer_spans[:, 0]).tolist()
+    if not sizes:
+        return torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    positions = torch.cat([torch.arange(s - 1, e - 1, device=hidden.device) for s, e in answer_spans.tolist()])
+    right = greedy_tokens(hidden, head_weight, positions) == input_ids[positions + 1]
+    return torch.stack([chunk.all() for chunk in torch.split(right, sizes)])
+
+
+class PackedCausalLM(nn.Module):
+    """Qwen2 backbone and LM head computing the summed loss of one packed stream.
+
+    This is the FSDP root: calling the backbone and the head inside one forward keeps the tied
+    embedding/head weight gathered for both.
+    """
+
+    def __init__(self, hf_model: nn.Module, loss_chunk_tokens: int) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.loss_chunk_tokens = loss_chunk_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        targets: torch.Tensor,
+        ctx: AttentionContext,
+        answer_spans: torch.Tensor | None = None,
+        predict_at: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """(summed loss, loss-bearing tokens); with ``answer_spans``, whether each answer is predicted; with
+        ``predict_at``, the greedy next token at each of those stream positions."""
+        hidden = self.hf.model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, sb_context=ctx
+        ).last_hidden_state
+        if answer_spans is not None:
+            return answer_exact_match(hidden[0], self.hf.lm_head.weight, input_ids[0], answer_spans)
+        if predict_at is not None:
+            return greedy_tokens(hidden[0], self.hf.lm_head.weight, predict_at)
+        return chunked_cross_entropy_sum(hidden[0], self.hf.lm_head.weight, targets[0], self.loss_chunk_tokens)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import lightning as L
 import numpy as np
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 import torch
-from torch import nn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from sparsebalance_pl.attention import (
     ATTN_IMPLEMENTATION,
@@ -19,16 +19,16 @@ from sparsebalance_pl.attention import (
     AttentionTimer,
     LayerBudget,
 )
-from sparsebalance_pl.callbacks.protocol import SparsityReport
-from sparsebalance_pl.datamodules.density import DensityEstimator
+from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel, SparsityReport, observe_step
+from sparsebalance_pl.cost.profiler import latency_model_for_run
 from sparsebalance_pl.datamodules.packing import collate_packed
+from sparsebalance_pl.distributed import all_ranks, gather_objects
 from sparsebalance_pl.errors import ConfigError, TrainingError
-from sparsebalance_pl.evaluation import answer_exact_match, greedy_generate, greedy_tokens, qa_scores
-from sparsebalance_pl.latency import LatencyModel
-from sparsebalance_pl.loss import chunked_cross_entropy_sum, globally_normalised_loss
-from sparsebalance_pl.metrics import CellAccuracy, CellMeans, TokenMeanLoss
-from sparsebalance_pl.model import ModelConfig
-from sparsebalance_pl.strategy import apply_fully_shard, gather_objects
+from sparsebalance_pl.evaluation import Evaluation
+from sparsebalance_pl.loss import globally_normalised_loss
+from sparsebalance_pl.metrics import TokenMeanLoss
+from sparsebalance_pl.model import ModelConfig, PackedCausalLM
+from sparsebalance_pl.strategy import apply_fully_shard
 
 
 @dataclass
@@ -64,47 +64,19 @@ class OptimConfig:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class PackedCausalLM(nn.Module):
-    """Qwen2 backbone and LM head computing the summed loss of one packed stream.
-
-    This is the FSDP root: calling the backbone and the head inside one forward keeps the tied
-    embedding/head weight gathered for both.
-    """
-
-    def __init__(self, hf_model: nn.Module, loss_chunk_tokens: int) -> None:
-        super().__init__()
-        self.hf = hf_model
-        self.loss_chunk_tokens = loss_chunk_tokens
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        targets: torch.Tensor,
-        ctx: AttentionContext,
-        answer_spans: torch.Tensor | None = None,
-        predict_at: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        """(summed loss, loss-bearing tokens); with ``answer_spans``, whether each answer is predicted; with
-        ``predict_at``, the greedy next token at each of those stream positions."""
-        hidden = self.hf.model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, sb_context=ctx
-        ).last_hidden_state
-        if answer_spans is not None:
-            return answer_exact_match(hidden[0], self.hf.lm_head.weight, input_ids[0], answer_spans)
-        if predict_at is not None:
-            return greedy_tokens(hidden[0], self.hf.lm_head.weight, predict_at)
-        return chunked_cross_entropy_sum(hidden[0], self.hf.lm_head.weight, targets[0], self.loss_chunk_tokens)
-
-
 class SparseQwen(L.LightningModule):
     """Qwen2/Qwen2.5 causal LM trained on packed micro-batches with dynamic block-sparse attention.
 
     Batches are packed streams of documents (see ``sparsebalance_pl.datamodules.packing``): ``input_ids``,
     ``position_ids`` (reset at each document), ``targets`` (next token within the document, -100 at document
     ends) and ``cu_seqlens``. Budgets for the sparse attention are per layer (``layer_budgets``) so that the
-    dynamic sparsity tuning callback can move them between steps: the module implements
-    ``sparsebalance_pl.callbacks.protocol.SparsityTunable``.
+    dynamic sparsity tuning callback can move them between steps (``SparsityTunable``).
+
+    The module owns the run's ``CostModel`` (``cost_model``): it builds it for its dimensions and kernels
+    (loading or profiling the latency table in ``setup``), calibrates it after every training micro-batch
+    from its own collective-free attention timings, and checkpoints it. ``main.py`` hands the same object to
+    the data module and the DST callback. ``evaluations`` are the test suites ``test`` runs (the data module
+    builds them).
 
     Args:
         model: which Qwen2 (preset, overrides, or a local Hugging Face directory).
@@ -112,7 +84,7 @@ class SparseQwen(L.LightningModule):
         optim: optimiser and learning-rate schedule.
         loss_chunk_tokens: tokens per chunk of the fused LM head + cross-entropy.
         activation_checkpointing: recompute each decoder layer in the backward (long contexts on GPU).
-        latency_table: JSON latency table (``sparsebalance_pl.profiler``) for this device and model; a
+        latency_table: JSON latency table (``sparsebalance_pl.cost.profiler``) for this device and model; a
             missing, unreadable or mismatched one is reported and replaced (see ``latency_profile``).
         latency_profile: when the table is missing or from other hardware, run the quick profile (about a
             minute) and save it to ``latency_table``; otherwise start from the analytic FLOP prior.
@@ -147,17 +119,18 @@ class SparseQwen(L.LightningModule):
         self.layer_budgets = [replace(b) for b in self.base_budgets]
         self.latency_table = latency_table
         self.latency_profile = latency_profile
-        self.latency_model: LatencyModel | None = None
+        sparse = self.attention_config.backend == "sparse"
+        self.cost_model = CostModel(
+            self._analytic_latency_model(),
+            DensityEstimator(block_size=self.attention_config.block_size) if sparse else None,
+        )
         self.max_nonfinite_steps = max_nonfinite_steps
         self.nonfinite_steps = 0
         self.skip_update = False
         self._batch_start = 0.0
-        self.density_estimator = DensityEstimator(block_size=self.attention_config.block_size)
         self.net: PackedCausalLM | None = None
         self.val_loss = TokenMeanLoss()
-        self.test_loss = TokenMeanLoss()
-        self.answer_accuracy: CellAccuracy | None = None
-        self.longbench_scores: CellMeans | None = None
+        self.evaluations: list[Evaluation] = []
         self.last_context: AttentionContext | None = None
         self.save_hyperparameters()
 
@@ -174,8 +147,8 @@ class SparseQwen(L.LightningModule):
             apply_fully_shard(self.net, list(hf_model.model.layers), mesh["data_parallel"])
 
     def setup(self, stage: str) -> None:
-        if stage == "fit" and self.latency_model is None:
-            self.latency_model = self._load_latency_model()
+        if stage == "fit" and self.latency_table is not None:
+            self.cost_model.latency = self._load_latency_model()
 
     def _load_latency_model(self) -> LatencyModel:
         """The table for this device and model, else the quick profile or the analytic prior; never raises.
@@ -183,12 +156,8 @@ class SparseQwen(L.LightningModule):
         With profiling on, rank 0 profiles and saves the table while the others wait, then every rank loads
         the same file, so all ranks start from identical predictions.
         """
-        from sparsebalance_pl.profiler import device_name, latency_model_for_run
-
         cfg = self.attention_config
         device = self.trainer.strategy.root_device
-        if self.latency_table is None:
-            return self._analytic_latency_model(device_name(device))
         settings = dict(device=device, block_size=cfg.block_size, stride=cfg.stride, progress=False)
         if self.latency_profile and self.trainer.world_size > 1:
             if self.trainer.is_global_zero:
@@ -197,9 +166,9 @@ class SparseQwen(L.LightningModule):
         profile = self.latency_profile and self.trainer.world_size == 1
         return latency_model_for_run(self.latency_table, self.dims, profile=profile, **settings)
 
-    def _analytic_latency_model(self, device: str = "unknown") -> LatencyModel:
+    def _analytic_latency_model(self) -> LatencyModel:
         cfg = self.attention_config
-        return LatencyModel.analytic(self.dims, block_size=cfg.block_size, stride=cfg.stride, device=device)
+        return LatencyModel.analytic(self.dims, block_size=cfg.block_size, stride=cfg.stride)
 
     def attention_context(self, cu_seqlens: torch.Tensor) -> AttentionContext:
         return AttentionContext(
@@ -211,23 +180,17 @@ class SparseQwen(L.LightningModule):
             recall_rows=self.attention_config.recall_rows if self.training else 0,
         )
 
-    def document_costs(self, lengths) -> np.ndarray:
-        """Predicted seconds each document adds to a micro-batch, at its estimated density: what the
-        sparsity-aware batch planner balances (``LongContextDataModule``)."""
-        lengths = np.asarray(lengths, dtype=np.float64)
-        sparse = self.attention_config.backend == "sparse"
-        density = self.density_estimator(np.maximum(lengths, 1)) if sparse else 1.0
-        return (self.latency_model or self._analytic_latency_model()).doc_costs(lengths, density)
-
     def document_lengths(self, batch: dict) -> list[int]:
         """Token count of each document of a packed micro-batch (``SparsityTunable``)."""
         return torch.diff(batch["cu_seqlens"]).tolist()
 
-    def sparsity_report(self) -> SparsityReport | None:
-        """Densities, recall and attention time of the last micro-batch (``SparsityTunable``); None if dense."""
+    def sparsity_report(self) -> SparsityReport:
+        """Densities, recall and attention time of the last micro-batch (dense attention keeps every tile)."""
         ctx = self.last_context
-        if ctx is None or not ctx.stats:
-            return None
+        docs = len(ctx.cu_seqlens) - 1
+        if not ctx.stats:
+            dense = [1.0] * self.dims.num_layers
+            return SparsityReport(dense, dense, [1.0] * docs, ctx.timer.seconds())
         layers = [ctx.stats[i] for i in sorted(ctx.stats)]
         return SparsityReport(
             density=[float(s.density) for s in layers],
@@ -252,6 +215,16 @@ class SparseQwen(L.LightningModule):
         else:
             self._flag_nonfinite(batch_idx)
         return loss
+
+    def on_after_backward(self) -> None:
+        """The cost model learns from this micro-batch on every rank: its documents, what attention kept and
+        how long the attention calls took, gathered from all ranks (one all-gather of a few numbers each)."""
+        ctx = self.last_context
+        lengths = torch.diff(ctx.cu_seqlens).tolist()
+        observation = observe_step(self.cost_model, lengths, self.sparsity_report())
+        rank = self.global_rank
+        self.log("latency/predicted_s", float(observation.predicted[rank]), batch_size=1)
+        self.log("latency/measured_s", float(observation.measured[rank]), batch_size=1)
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
@@ -293,20 +266,11 @@ class SparseQwen(L.LightningModule):
             )
         rank_zero_warn(f"non-finite loss at {where}: update skipped on every rank")
 
-    def on_fit_start(self) -> None:
-        """A fresh run measures its attention density by document length before the first epoch is planned:
-        the length prior can be far from what a trained model selects, and the batch planner would balance
-        the wrong costs for a whole epoch. Resumed runs restore the estimate instead."""
-        data = self.trainer.datamodule
-        if self.attention_config.backend == "sparse" and not self.density_estimator.observed:
-            if hasattr(data, "calibration_batches"):
-                self.calibrate_density(data.calibration_batches(min_length=self.attention_config.block_size))
-
     @torch.no_grad()
-    def calibrate_density(self, batches: list[dict]) -> None:
+    def calibrate_density(self, batches: Sequence[dict]) -> None:
         """Forward passes over ``batches`` (the same list on every rank, shared out among the ranks) at the base
-        budget; every document's selected density, gathered in rank order, corrects the density estimate
-        identically on every rank."""
+        budget; every document's selected density, gathered in rank order, teaches the cost model's density
+        estimate identically on every rank (``DensityCalibration`` calls this before the first epoch)."""
         world, rank = self.trainer.world_size, self.trainer.global_rank
         observed = []
         was_training = self.training
@@ -318,98 +282,59 @@ class SparseQwen(L.LightningModule):
                 observed.append((self.document_lengths(batch), self.sparsity_report().base_document_density))
         self.train(was_training)
         self.last_context = None
-        documents = [doc for part in gather_objects(self.trainer, observed) for ls, ds in part for doc in zip(ls, ds)]
+        documents = [doc for part in gather_objects(observed) for ls, ds in part for doc in zip(ls, ds)]
         if not documents:
             return
-        self.density_estimator.observe([n for n, _ in documents], [d for _, d in documents])
+        self.cost_model.observe_densities([n for n, _ in documents], [d for _, d in documents])
         rank_zero_info(
             f"attention density calibrated on {len(documents)} documents of {min(n for n, _ in documents)}-"
             f"{max(n for n, _ in documents)} tokens: mean {np.mean([d for _, d in documents]):.3f} at the base budget"
         )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Skipped steps count over the whole run, across resumes, against ``max_nonfinite_steps``; the density
-        estimate plans the next epochs as it would have without the stop. The model's dimensions let
-        ``main.py export`` rebuild it without the run's ``pretrained_path`` directory."""
+        """Skipped steps count over the whole run, across resumes, against ``max_nonfinite_steps``; the cost model
+        plans the next epochs and predicts the next steps as it would have without the stop. The model's
+        dimensions let ``main.py export`` rebuild it without the run's ``pretrained_path`` directory."""
         checkpoint["nonfinite_steps"] = self.nonfinite_steps
         checkpoint["model_dims"] = self.dims.as_dict()
-        checkpoint["density_estimator"] = self.density_estimator.state_dict()
+        checkpoint["cost_model"] = self.cost_model.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.nonfinite_steps = checkpoint.get("nonfinite_steps", 0)  # 0: a checkpoint from before the count was saved
-        if "density_estimator" in checkpoint:
-            self.density_estimator.load_state_dict(checkpoint["density_estimator"])
+        if "cost_model" in checkpoint:
+            self.cost_model.load_state_dict(checkpoint["cost_model"])
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self._evaluate(batch, self.val_loss, "val/loss")
+        loss_sum, num_tokens = self(batch)
+        self.val_loss.update(loss_sum, num_tokens)
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=1)
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
-        """Retrieval accuracy on evaluation tasks (batches with ``answer_spans``), generated answers on LongBench
-        prompts (batches with ``prompts``), else the loss."""
-        if "prompts" in batch:
-            self._score_longbench(batch)
-            return
-        if "answer_spans" not in batch:
-            self._evaluate(batch, self.test_loss, "test/loss")
-            return
+        """Scores ``batch`` with the evaluation suite whose loader it came from (``batch["suite"]``)."""
+        if not self.evaluations:
+            raise RuntimeError("SparseQwen.evaluations is empty: set it to the data module's evaluations() before test")
+        self.evaluations[int(batch["suite"])].update(self, batch)
+
+    def on_test_epoch_end(self) -> None:
+        logged = {name: value for suite in self.evaluations for name, value in suite.compute().items()}
+        if logged:  # summed over ranks already: sync_dist only tells Lightning so
+            self.log_dict(logged, sync_dist=True)
+
+    # ----------------------------------------------------------------------- what the evaluations call
+    def answers_correct(self, batch: dict) -> torch.Tensor:
+        """bool [n]: whether greedy next-token prediction reproduces each of the batch's ``answer_spans``."""
         ctx = self.attention_context(batch["cu_seqlens"])
-        correct = self.net(batch["input_ids"], batch["position_ids"], batch["targets"], ctx, batch["answer_spans"])
-        self._answer_accuracy(batch["cells"]).update(batch["cells"], correct)
+        return self.net(batch["input_ids"], batch["position_ids"], batch["targets"], ctx, batch["answer_spans"])
 
-    def _answer_accuracy(self, cells: torch.Tensor) -> CellAccuracy:
-        """The per-(task, length) accuracy of this test run, named by the data module's evaluation cells."""
-        if self.answer_accuracy is None:
-            names = getattr(getattr(self.trainer, "datamodule", None), "eval_config", None)
-            names = names.cells if names is not None else [str(i) for i in range(int(cells.max()) + 1)]
-            self.answer_accuracy = CellAccuracy(names).to(self.device)
-        return self.answer_accuracy
-
-    def _score_longbench(self, batch: dict) -> None:
-        """Greedy answers to the packed prompts, scored by QA F1 and exact match against their references.
-
-        Without a KV cache each new token is one forward of the whole packed micro-batch: up to
-        ``eval_max_new_tokens`` forwards per micro-batch. Generation ends early only when every rank is done.
-        """
-        data = self.trainer.datamodule
-        tokenizer = data.tokenizer
-        generated = greedy_generate(
-            self._greedy_next_tokens,
-            batch["prompts"],
-            data.eval_max_new_tokens,
-            tokenizer.eos_id,
-            stop=lambda finished: self.trainer.strategy.reduce_boolean_decision(finished, all=True),
-        )
-        scores = [qa_scores(tokenizer.decode(ids), answers) for ids, answers in zip(generated, batch["answers"])]
-        if self.longbench_scores is None:
-            self.longbench_scores = CellMeans(data.longbench_cells, ["f1", "exact_match"]).to(self.device)
-        scored = batch["scored"]
-        self.longbench_scores.update(batch["cells"][scored], torch.tensor(scores, device=self.device)[scored])
-
-    def _greedy_next_tokens(self, sequences: list[list[int]]) -> list[int]:
+    def greedy_next_tokens(self, sequences: list[list[int]]) -> list[int]:
         """Each sequence's greedy next token, from one forward of them all packed into one stream."""
         batch = {k: v.to(self.device) for k, v in collate_packed([{"tokens": s} for s in sequences]).items()}
         last = batch["cu_seqlens"][1:].long() - 1
         ctx = self.attention_context(batch["cu_seqlens"])
         return self.net(batch["input_ids"], batch["position_ids"], batch["targets"], ctx, predict_at=last).tolist()
 
-    def on_test_epoch_end(self) -> None:
-        """Accuracy per task and length, and LongBench F1 and exact match per dataset and length bucket (already
-        summed over ranks)."""
-        logged = {}
-        if self.answer_accuracy is not None:
-            logged |= {f"test/accuracy/{cell}": value for cell, value in self.answer_accuracy.compute().items()}
-            self.answer_accuracy = None
-        if self.longbench_scores is not None:
-            for score, cells in self.longbench_scores.compute().items():
-                logged |= {f"test/longbench/{score}/{cell}": value for cell, value in cells.items()}
-            self.longbench_scores = None
-        if logged:  # equal on every rank already: sync_dist only tells Lightning so
-            self.log_dict(logged, sync_dist=True)
-
-    def _evaluate(self, batch: dict, metric: TokenMeanLoss, name: str) -> None:
-        loss_sum, num_tokens = self(batch)
-        metric.update(loss_sum, num_tokens)
-        self.log(name, metric, on_step=False, on_epoch=True, prog_bar=True, batch_size=1)
+    def all_ranks(self, flag: bool) -> bool:
+        return all_ranks(flag, self.device)
 
     def _log_step(self, stage: str, loss: torch.Tensor, batch: dict, start: float) -> None:
         tokens = batch["input_ids"].shape[1]

@@ -18,12 +18,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from typing import Any
-
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from sparsebalance_pl.distributed import is_collective_failure
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         the rank it waited for) would keep its process alive, so the run would hang instead of ending.
         """
         super().on_exception(exception)
-        if not _is_collective_failure(exception):
+        if not is_collective_failure(exception):
             return
         trainer = getattr(self.lightning_module, "_trainer", None)  # None when it failed before the module was set
         where = f"at global step {trainer.global_step} (epoch {trainer.current_epoch})" if trainer else "at start"
@@ -71,25 +70,6 @@ def _share_cores(local_ranks: int) -> None:
     threads = max(1, cores // local_ranks)
     if torch.get_num_threads() > threads:
         torch.set_num_threads(threads)
-
-
-def gather_objects(trainer, obj: Any) -> list:
-    """Every rank's small picklable ``obj``, in rank order (variable-length lists of documents and the like)."""
-    if trainer.world_size == 1:
-        return [obj]
-    out: list = [None] * trainer.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-_LOST_COLLECTIVE = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer")
-
-
-def _is_collective_failure(err: BaseException) -> bool:
-    """NCCL and the rendezvous store raise ``DistError``; gloo raises RuntimeErrors known by their text."""
-    return isinstance(err, dist.DistError) or (
-        isinstance(err, RuntimeError) and any(text in str(err) for text in _LOST_COLLECTIVE)
-    )
 
 
 def apply_fully_shard(

@@ -23,6 +23,7 @@ from sparsebalance_pl.datamodules.sampler import (
 from sparsebalance_pl.datamodules.synthetic import LengthPrior, synthetic_document
 from sparsebalance_pl.datamodules.tokenizer import ByteTokenizer
 from sparsebalance_pl.attention import AttentionConfig
+from sparsebalance_pl.callbacks import DensityCalibration
 from sparsebalance_pl.errors import DataError
 from sparsebalance_pl.model import ModelConfig
 from sparsebalance_pl.module import SparseQwen
@@ -268,12 +269,13 @@ def test_fresh_fit_calibrates_the_density_estimate_before_the_first_plan(tmp_pat
     torch.manual_seed(0)
     module = SparseQwen(model=ModelConfig(preset="demo", overrides={"num_layers": 2, "hidden_size": 64}),
                         attention=AttentionConfig(backend="sparse", block_size=16, stride=4, tau=0.9))
-    prior_costs = module.document_costs(dm.lengths("train"))
+    dm.connect(module.cost_model)
+    prior_costs = module.cost_model.document_costs(dm.lengths("train"))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False)
+                        enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
+                        callbacks=[DensityCalibration()])
     with caplog.at_level(logging.INFO):
         trainer.fit(module, datamodule=dm)
-    assert module.density_estimator.observed and f"calibrated on {len(lengths)} documents" in caplog.text
+    assert module.cost_model.density.observed and f"calibrated on {len(lengths)} documents" in caplog.text
     epoch, planned = dm.plan_costs
-    assert epoch == 0 and np.allclose(planned, module.document_costs(dm.lengths("train")))  # no update since
-    assert not np.allclose(planned, prior_costs)
+    assert epoch == 0 and not np.allclose(planned, prior_costs)

@@ -1,4 +1,4 @@
-"""The DST budget rule as pure functions: predicted times + latency model -> budgets (DESIGN.md 4.4)."""
+"""The DST budget rule as pure functions: predicted times + latency model -> budgets."""
 
 import numpy as np
 import pytest
@@ -11,8 +11,8 @@ from sparsebalance_pl.callbacks.budget import (
     outlook,
     rank_budget,
     recall_drop,
-    with_speed,
 )
+from sparsebalance_pl.cost import CostModel
 from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.model import PRESETS
 
@@ -113,7 +113,9 @@ def test_adaptive_anchor_trades_speed_for_recall(model):
 
 
 def test_speed_scales_only_the_timed_terms(model):
-    slow = with_speed(model, 2.0)
+    cost = CostModel(model)
+    cost.log_speeds = np.log([1.0, 2.0])
+    slow = cost.for_rank(1)
     base, doubled = model.breakdown(LONG, 0.5), slow.breakdown(LONG, 0.5)
     assert doubled["attention"] == pytest.approx(2 * base["attention"])
     assert doubled["tokens"] == pytest.approx(base["tokens"])

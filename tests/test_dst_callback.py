@@ -22,10 +22,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from sparsebalance_pl.attention import LayerBudget
-from sparsebalance_pl.callbacks.dst import DynamicSparsityTuning
-from sparsebalance_pl.callbacks.protocol import SparsityReport, SparsityTunable
-from sparsebalance_pl.datamodules.density import DensityEstimator
+from sparsebalance_pl.callbacks import DynamicSparsityTuning, LayerBudget, SparsityReport, SparsityTunable
+from sparsebalance_pl.cost import CostModel, DensityEstimator, observe_step
 from sparsebalance_pl.latency import LatencyModel, kept_tiles
 from sparsebalance_pl.model import PRESETS
 
@@ -35,21 +33,20 @@ EQUAL = [[2048, 2048], [2048, 2048]]
 
 
 class MinimalTunable(L.LightningModule):
-    """``SparsityTunable`` on a one-parameter model; rank r trains on ``workloads[r]`` every step."""
+    """``SparsityTunable`` on a one-parameter model; rank r trains on ``workloads[r]`` every step, and its
+    reported attention time is ``slowdown.get(r, 1)`` times the synthetic one (a slower rank)."""
 
-    def __init__(self, workloads: list[list[int]]) -> None:
+    def __init__(self, workloads: list[list[int]], slowdown: dict[int, float] | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1))
         self.workloads = workloads
+        self.slowdown = slowdown or {}
         self.base_budgets = [LayerBudget(TAU0)]
         self.layer_budgets = [LayerBudget(TAU0)]
-        self.latency_model: LatencyModel | None = None
-        self.density_estimator = DensityEstimator(block_size=64)
+        self.cost_model = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16),
+                                    DensityEstimator(block_size=64))
         self.history: list[tuple[int, float, float | None, float]] = []  # step, tau, cap, kept density
-        self._report: SparsityReport | None = None
-
-    def setup(self, stage: str) -> None:
-        self.latency_model = LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16)
+        self._step: tuple[list[int], SparsityReport] | None = None
 
     def train_dataloader(self) -> DataLoader:
         lengths = torch.tensor(self.workloads[self.global_rank % len(self.workloads)])
@@ -64,15 +61,29 @@ class MinimalTunable(L.LightningModule):
         density = min(budget.tau, budget.max_density or 1.0, scaled)
         lengths = batch["lengths"].double().numpy()
         seconds = float(kept_tiles(lengths, density, 64).sum()) * SECONDS_PER_TILE
-        self._report = SparsityReport([density], [density], [TAU0] * len(lengths), seconds)
+        seconds *= self.slowdown.get(self.global_rank, 1.0)
+        report = SparsityReport([density], [density], [TAU0] * len(lengths), seconds)
+        self._step = (batch["lengths"].tolist(), report)
         self.history.append((self.global_step, budget.tau, budget.max_density, density))
         return ((self.weight - density) ** 2).sum()
 
-    def sparsity_report(self) -> SparsityReport | None:
-        return self._report
+    def on_after_backward(self) -> None:
+        observe_step(self.cost_model, *self._step)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["cost_model"] = self.cost_model.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.cost_model.load_state_dict(checkpoint["cost_model"])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _dst(module: MinimalTunable, **settings) -> DynamicSparsityTuning:
+    dst = DynamicSparsityTuning(**settings)
+    dst.connect(module.cost_model)
+    return dst
 
 
 def _trainer(tmp: Path, steps: int, callbacks: list, devices: int = 1, **kwargs) -> L.Trainer:
@@ -90,19 +101,22 @@ def test_protocol_is_checked(tmp_path):
         pass
 
     assert not isinstance(Plain(), SparsityTunable)
-    with pytest.raises(TypeError, match="SparsityTunable"):
-        DynamicSparsityTuning().setup(None, Plain(), "fit")
+    with pytest.raises(TypeError, match="Plain lacks layer_budgets, base_budgets, document_lengths"):
+        DynamicSparsityTuning().on_fit_start(None, Plain())
+    with pytest.raises(RuntimeError, match="no cost model"):
+        DynamicSparsityTuning().on_fit_start(None, MinimalTunable(EQUAL))
 
 
 def test_single_rank_keeps_base_budget_and_logs(tmp_path):
-    module, dst = MinimalTunable(EQUAL), DynamicSparsityTuning(anchor="adaptive")
+    module = MinimalTunable(EQUAL)
+    dst = _dst(module, anchor="adaptive")
     _trainer(tmp_path, 3, [dst]).fit(module)
     assert [(tau, cap) for _, tau, cap, _ in module.history] == [(TAU0, None)] * 3
     assert "dst/rank0/tau" in module.trainer.logged_metrics
     state = dst.state_dict()
-    assert set(state) == {"latency", "density", "recall_slope", "log_speeds", "shifts", "budgets"}
+    assert set(state) == {"recall_slope", "shifts", "budgets"}
     json.dumps(state)  # plain data
-    restored = DynamicSparsityTuning(anchor="adaptive")
+    restored = _dst(module, anchor="adaptive")
     restored.load_state_dict(json.loads(json.dumps(state)))
     restored.on_fit_start(module.trainer, module)
     assert restored.state_dict() == state
@@ -157,8 +171,8 @@ def _main() -> None:
     parser.add_argument("--p", type=float)
     parser.add_argument("--resume")
     args = parser.parse_args()
-    module = MinimalTunable(EQUAL)
-    dst = DynamicSparsityTuning(anchor="mean", p=args.p, slowdown={1: 1.5})
+    module = MinimalTunable(EQUAL, slowdown={1: 1.5})
+    dst = _dst(module, anchor="mean", p=args.p)
     every = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=args.out / "checkpoints", every_n_train_steps=3, save_top_k=-1, filename="{step}"
     )

@@ -2,7 +2,7 @@
 
 import torch
 
-from sparsebalance_pl.evaluation import answer_exact_match
+from sparsebalance_pl.model import answer_exact_match
 from sparsebalance_pl.metrics import CellAccuracy
 
 

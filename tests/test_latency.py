@@ -6,7 +6,7 @@ import logging
 import numpy as np
 import pytest
 
-from sparsebalance_pl.latency import (
+from sparsebalance_pl.cost.latency import (
     LatencyModel,
     LatencyTable,
     LatencyTableError,
@@ -15,7 +15,7 @@ from sparsebalance_pl.latency import (
     cost_dims,
 )
 from sparsebalance_pl.model import PRESETS
-from sparsebalance_pl.profiler import random_micro_batches
+from sparsebalance_pl.cost.profiler import random_micro_batches
 
 DEMO = PRESETS["demo"]
 
@@ -227,3 +227,9 @@ def test_invalid_table_contents_are_rejected():
     ]:
         with pytest.raises(LatencyTableError, match=message):
             LatencyTable(**{**good, **change})
+
+
+def test_public_name_is_the_cost_packages_model():
+    import sparsebalance_pl.latency as public
+
+    assert public.LatencyModel is LatencyModel

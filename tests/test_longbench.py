@@ -107,7 +107,7 @@ def test_packed_greedy_generation_matches_hugging_face_per_prompt():
     reference.eval()
     prompts = [torch.randint(0, 257, (n,)).tolist() for n in (9, 30, 17)]
     with torch.no_grad():
-        packed = greedy_generate(module._greedy_next_tokens, prompts, max_new_tokens=5, eos_id=-1)
+        packed = greedy_generate(module.greedy_next_tokens, prompts, max_new_tokens=5, eos_id=-1)
         for prompt, got in zip(prompts, packed):
             ids = list(prompt)
             for _ in range(5):
@@ -179,7 +179,8 @@ def _test_scores(tmp_path, next_tokens=None) -> dict:
     module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY),
                         attention=AttentionConfig(backend="sparse", block_size=16, stride=4, tau=0.9))
     if next_tokens is not None:
-        module._greedy_next_tokens = next_tokens
+        module.greedy_next_tokens = next_tokens
+    module.evaluations = data.evaluations()
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, default_root_dir=tmp_path)
     (results,) = trainer.test(module, datamodule=data, verbose=False)

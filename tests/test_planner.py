@@ -8,10 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparsebalance_pl.datamodules.density import DensityEstimator
+from sparsebalance_pl.cost.density import DensityEstimator
 from sparsebalance_pl.datamodules.partition import karmarkar_karp
-from sparsebalance_pl.datamodules.planner import PlannerConfig, PlanState, balance_efficiency, plan_epoch
+from sparsebalance_pl.balance import balance_efficiency as efficiency_of_steps
+from sparsebalance_pl.datamodules.planner import PlannerConfig, plan_epoch
 from sparsebalance_pl.errors import ConfigError, DataError
+
+
+def balance_efficiency(batches) -> float:
+    return efficiency_of_steps(b.costs for b in batches)
 
 
 def _lengths(n: int = 1500, seed: int = 0) -> np.ndarray:
@@ -55,7 +60,7 @@ def test_deferral_stays_within_window_and_helps_balance() -> None:
     plain = list(plan_epoch(lengths, _cost, _config(), epoch=0))
     deferred = list(plan_epoch(lengths, _cost, _config(defer_window=4), epoch=0))
     for b in deferred:
-        assert all(b.index < deadline <= b.index + 4 for _, deadline in b.state.deferred)
+        assert all(b.index < deadline <= b.index + 4 for _, deadline in b.deferred)
     assert balance_efficiency(deferred) > balance_efficiency(plain)
     assert all(b.imbalance >= 1.0 for b in plain)
 
@@ -88,7 +93,7 @@ def test_last_steps_of_an_epoch_with_deferral_stay_balanced() -> None:
     # instead of filling a last step of their own.
     lengths = _lengths(3000)
     batches = list(plan_epoch(lengths, _cost, _config(defer_window=8), epoch=0))
-    assert not batches[-1].state.deferred
+    assert not batches[-1].deferred
     assert balance_efficiency(batches[-2:]) >= 0.9
 
 
@@ -106,7 +111,7 @@ import hashlib, numpy as np
 from sparsebalance_pl.datamodules.planner import PlannerConfig, plan_epoch
 lengths = np.minimum(np.random.default_rng(0).lognormal(6.5, 1.1, 1500).astype(np.int64) + 1, 8192)
 config = PlannerConfig(world_size=4, tokens_per_rank=8192, seed=7, defer_window=3)
-plan = [(b.micro_batches, b.state) for b in plan_epoch(lengths, lambda n: 1e-6 * n + 1e-10 * n**2, config, 0)]
+plan = [(b.micro_batches, b.deferred) for b in plan_epoch(lengths, lambda n: 1e-6 * n + 1e-10 * n**2, config, 0)]
 print(hashlib.sha256(repr(plan).encode()).hexdigest())
 """
 
@@ -123,21 +128,6 @@ def test_plan_digest_is_the_same_in_separate_processes() -> None:
         for seed in ("1", "2")
     }
     assert len(digests) == 1 and len(digests.pop()) == 64
-
-
-@pytest.mark.parametrize("window", [0, 3])
-def test_resume_from_batch_state_gives_the_remaining_batches(window: int) -> None:
-    lengths = _lengths()
-    config = _config(defer_window=window)
-    full = list(plan_epoch(lengths, _cost, config, epoch=2))
-    n = len(full) // 2
-    saved = PlanState.from_state_dict(full[n - 1].state.state_dict())
-    assert saved == full[n - 1].state
-    resumed = list(plan_epoch(lengths, _cost, config, epoch=2, state=saved))
-    assert [b.index for b in resumed] == list(range(n, len(full)))
-    assert _segments(resumed) == _segments(full[n:])
-    with pytest.raises(ValueError, match="epoch 2"):
-        next(plan_epoch(lengths, _cost, config, epoch=3, state=saved))
 
 
 def test_oversize_documents_rejected_or_split() -> None:

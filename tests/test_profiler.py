@@ -10,7 +10,7 @@ import torch
 
 from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.model import ModelDims
-from sparsebalance_pl.profiler import ProfileGrid, latency_model_for_run, measure_seconds, profile_hardware
+from sparsebalance_pl.cost.profiler import ProfileGrid, latency_model_for_run, measure_seconds, profile_hardware
 
 TINY = ModelDims(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=128)
 TINY_GRID = ProfileGrid(
@@ -76,7 +76,7 @@ def test_measure_seconds_takes_the_fastest_run_after_a_warm_up():
 
 def test_run_start_uses_a_fitting_table_without_profiling(tiny_profile, monkeypatch):
     path, model = tiny_profile
-    monkeypatch.setattr("sparsebalance_pl.profiler.profile_hardware", pytest.fail)
+    monkeypatch.setattr("sparsebalance_pl.cost.profiler.profile_hardware", pytest.fail)
     with one_thread():  # the device the table names
         loaded = latency_model_for_run(path, TINY, device="cpu", **KERNELS)
     assert loaded.predict([200], 0.5) == pytest.approx(model.predict([200], 0.5))
@@ -92,7 +92,7 @@ def test_run_start_falls_back_to_the_prior_or_a_profile_for_bad_tables(tmp_path,
 
     profiled = []
     monkeypatch.setattr(
-        "sparsebalance_pl.profiler.profile_hardware",
+        "sparsebalance_pl.cost.profiler.profile_hardware",
         lambda dims, **kw: profiled.append(kw) or LatencyModel.analytic(dims, block_size=32, stride=8),
     )
     other = ModelDims(num_layers=3, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=128)
@@ -103,7 +103,7 @@ def test_run_start_falls_back_to_the_prior_or_a_profile_for_bad_tables(tmp_path,
 
 
 def test_whole_model_steps_that_run_out_of_memory_are_left_out_of_the_fit(monkeypatch, caplog):
-    from sparsebalance_pl.profiler import ModelStep
+    from sparsebalance_pl.cost.profiler import ModelStep
 
     real = ModelStep.workload
 

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from sparsebalance_pl import strategy
+from sparsebalance_pl.distributed import is_collective_failure
 
 
 @pytest.mark.parametrize("cores, ranks, expected", [(8, 2, 4), (2, 2, 1), (2, 4, 1), (16, 1, 16)])
@@ -21,7 +22,7 @@ def test_ranks_share_the_cores(monkeypatch, cores, ranks, expected):
 
 
 def test_collective_failures_are_recognised():
-    assert strategy._is_collective_failure(RuntimeError("[gloo] Timed out waiting 0:00:05 for recv"))
-    assert strategy._is_collective_failure(dist.DistError("NCCL watchdog"))
-    assert not strategy._is_collective_failure(RuntimeError("shape mismatch"))
-    assert not strategy._is_collective_failure(ValueError("Timed out waiting"))
+    assert is_collective_failure(RuntimeError("[gloo] Timed out waiting 0:00:05 for recv"))
+    assert is_collective_failure(dist.DistError("NCCL watchdog"))
+    assert not is_collective_failure(RuntimeError("shape mismatch"))
+    assert not is_collective_failure(ValueError("Timed out waiting"))

@@ -39,9 +39,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import AttentionInterface
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
 
-from sparsebalance_pl.latency import TERMS, LatencyModel, LatencyTable, TableMeta, cost_dims
+from sparsebalance_pl.cost.latency import TERMS, LatencyModel, LatencyTable, TableMeta, cost_dims
 from sparsebalance_pl.loss import chunked_cross_entropy_sum
-from sparsebalance_pl.model import ModelDims
+from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, AttentionContext, LayerBudget
+from sparsebalance_pl.model import ModelConfig, ModelDims, PackedCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -276,41 +277,31 @@ class _Bench:
 
 
 class ModelStep:
-    """Forward+backward of the whole model as training runs it (``SparseQwen``: sparse attention at tau 1
+    """Forward+backward of the whole model as training runs it (``PackedCausalLM``: sparse attention at tau 1
     with the density capped, chunked loss) on packed micro-batches of random tokens."""
 
     def __init__(self, dims: ModelDims, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  block_size: int = 64, stride: int = 16) -> None:
-        from sparsebalance_pl.attention import AttentionConfig
-        from sparsebalance_pl.model import ModelConfig
-        from sparsebalance_pl.module import SparseQwen
-
         self.device = torch.device(device)
-        self.module = SparseQwen(
-            model=ModelConfig(overrides=dims.as_dict()),
-            attention=AttentionConfig(backend="sparse", block_size=block_size, stride=stride, tau=1.0),
-        )
-        self.module.configure_model()
-        self.module.to(self.device, dtype)
+        hf_model = ModelConfig(overrides=dims.as_dict()).build(ATTN_IMPLEMENTATION)
+        self.net = PackedCausalLM(hf_model, loss_chunk_tokens=4096).to(self.device, dtype)
+        self.attention = AttentionConfig(backend="sparse", block_size=block_size, stride=stride, tau=1.0)
         self.num_layers, self.vocab_size = dims.num_layers, dims.vocab_size
 
     def workload(self, lengths: list[int], density: float) -> Callable[[], None]:
         """A call that runs one step on ``lengths`` documents with at most ``density`` of each one's blocks."""
-        from sparsebalance_pl.attention import LayerBudget
-
         total = sum(lengths)
         cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=self.device)
         ids = torch.randint(0, self.vocab_size, (1, total), device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])[None]
         targets = torch.cat([ids[0, 1:], ids.new_full((1,), -100)])[None]
         targets[0, cu[1:] - 1] = -100
-        batch = {"input_ids": ids, "position_ids": positions, "targets": targets, "cu_seqlens": cu}
-        budget = LayerBudget(1.0, None if density >= 1 else density)
+        budgets = [LayerBudget(1.0, None if density >= 1 else density)] * self.num_layers
 
         def run() -> None:
-            self.module.layer_budgets[:] = [budget] * self.num_layers
-            self.module(batch)[0].backward()
-            self.module.zero_grad(set_to_none=True)
+            ctx = AttentionContext(cu_seqlens=cu, config=self.attention, budgets=budgets)
+            self.net(ids, positions, targets, ctx)[0].backward()
+            self.net.zero_grad(set_to_none=True)
 
         return run
 

@@ -1,0 +1,174 @@
+"""Dynamic sparsity tuning's decisions without Lightning: the budgets of every rank for one step.
+
+``DSTController.plan`` takes every rank's documents for the coming micro-batch and returns every rank's
+budgets; ``learn`` takes what the step did (the ``StepObservation`` the cost model made of it). Given the same
+inputs in the same order it decides the same on every rank. So the ``DynamicSparsityTuning`` callback needs
+one exchange of document lengths per step and no other, and an emulation of N ranks in one process calls the
+very same rule (``benchmarks/end_to_end.py``). The rule itself is ``callbacks.budget``; the predictions come
+from the run's ``CostModel``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from sparsebalance_pl.attention import LayerBudget
+from sparsebalance_pl.callbacks.budget import (
+    ANCHORS,
+    Anchor,
+    Outlook,
+    RankBudget,
+    adaptive_anchor,
+    anchor_time,
+    outlook,
+    rank_budget,
+)
+from sparsebalance_pl.cost import CostModel, StepObservation
+from sparsebalance_pl.errors import ConfigError
+
+
+class RecallSlope:
+    """Recall gained per unit of density, fitted to the (density, estimated recall) pairs seen in training.
+
+    Exponentially weighted least squares, shrunk toward ``prior`` while the observed densities barely
+    spread; 1.0 (recall follows density, the near-uniform regime) is the cautious prior.
+    """
+
+    def __init__(self, prior: float = 1.0, decay: float = 0.95, prior_weight: float = 1e-3) -> None:
+        self.prior, self.decay, self.prior_weight = prior, decay, prior_weight
+        self.moments = np.zeros(5)  # weight, sum x, sum y, sum xx, sum xy
+
+    def update(self, density: Sequence[float], recall: Sequence[float]) -> None:
+        x, y = np.asarray(density, dtype=np.float64), np.asarray(recall, dtype=np.float64)
+        self.moments = self.decay * self.moments + [len(x), x.sum(), y.sum(), (x * x).sum(), (x * y).sum()]
+
+    @property
+    def slope(self) -> float:
+        n, sx, sy, sxx, sxy = self.moments
+        if n <= 0:
+            return self.prior
+        var, cov = sxx / n - (sx / n) ** 2, sxy / n - sx * sy / n**2
+        return float((cov + self.prior * self.prior_weight) / (max(var, 0.0) + self.prior_weight))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"moments": self.moments.tolist()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.moments = np.asarray(state["moments"], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One step's budgets for every rank, and the predictions they came from.
+
+    Attributes:
+        anchor: the anchor time in seconds; ``anchor_name`` the fixed anchor it is (the adaptive one picks).
+        ranks: per rank, its move and per-layer budgets.
+        predicted_base: per rank, predicted whole-step seconds at the base budgets.
+        predicted: per rank, predicted whole-step seconds at the chosen budgets.
+    """
+
+    anchor: float
+    anchor_name: str
+    ranks: list[RankBudget]
+    predicted_base: list[float]
+    predicted: list[float]
+
+
+class DSTController:
+    """Moves each rank's sparse-attention budget so its predicted step time approaches a common anchor.
+
+    Args:
+        cost_model: the run's cost model (predictions per rank, including each rank's learned speed).
+        base_budgets: the configured per-layer budgets, which tuning moves away from.
+        anchor: ``mean``, ``median``, ``min``, ``max`` of the ranks' predicted times at the base budget, or
+            ``adaptive``: the fixed anchor with the shortest predicted step whose predicted token-weighted
+            recall loss, from the recall-per-density slope observed so far, stays within ``recall_tolerance``.
+        p: largest move of tau away from the base budget, in [0, 1]; 0 keeps the base budgets (the static
+            baseline). The kept tiles scale with the cost model so that no rank passes the anchor time
+            (``callbacks.budget``).
+        min_density: the lowest density a straggler aims at, in [0, 1].
+        recall_tolerance: the adaptive anchor's allowance for predicted loss of mean recall.
+        name: how settings are named in error messages.
+    """
+
+    def __init__(
+        self,
+        cost_model: CostModel,
+        base_budgets: Sequence[LayerBudget],
+        *,
+        anchor: Anchor = "mean",
+        p: float = 0.1,
+        min_density: float = 0.05,
+        recall_tolerance: float = 0.02,
+        name: str = "DSTController",
+    ) -> None:
+        check_settings(name, anchor, p, min_density, recall_tolerance)
+        self.cost_model = cost_model
+        self.base_budgets = [replace(b) for b in base_budgets]
+        self.anchor, self.p, self.min_density, self.recall_tolerance = anchor, p, min_density, recall_tolerance
+        self.recall_slope = RecallSlope()
+        self.shifts: list[float | None] = []
+        self.budgets: list[list[LayerBudget]] = []  # every rank's, as last decided
+        self.last: Decision | None = None
+
+    def plan(self, lengths: Sequence[Sequence[int]]) -> Decision:
+        """Every rank's budgets for micro-batches of documents ``lengths[rank]``."""
+        lengths = [[int(n) for n in rank_lengths] for rank_lengths in lengths]
+        if len(self.shifts) != len(lengths):
+            self.shifts = [None] * len(lengths)
+        cost = self.cost_model
+        views = [
+            outlook(cost.for_rank(r), ls, cost.document_density(ls), self.p, self.min_density)
+            for r, ls in enumerate(lengths)
+        ]
+        name, anchor = self._anchor(views)
+        ranks = [
+            rank_budget(cost.for_rank(r), ls, views[r], anchor, self.p, self.base_budgets, self.shifts[r])
+            for r, ls in enumerate(lengths)
+        ]
+        self.shifts = [budget.shift for budget in ranks]
+        self.budgets = [budget.budgets for budget in ranks]
+        base = [v.base for v in views]
+        moved = base if self.p <= 0 else [v.at(anchor) for v in views]
+        self.last = Decision(anchor, name, ranks, base, moved)
+        return self.last
+
+    def _anchor(self, views: Sequence[Outlook]) -> tuple[str, float]:
+        if self.anchor == "adaptive":
+            return adaptive_anchor(views, self.p, self.recall_slope.slope, self.recall_tolerance)
+        return self.anchor, anchor_time([v.base for v in views], self.anchor)
+
+    def learn(self, observation: StepObservation) -> None:
+        """What the step did: the recall each rank's density bought (for the adaptive anchor)."""
+        reports = [record.report for record in observation.records]
+        self.recall_slope.update([r.mean_density for r in reports], [r.mean_estimated_recall for r in reports])
+
+    def state_dict(self) -> dict[str, Any]:
+        budgets = [[[b.tau, b.max_density, b.density_scale] for b in rank] for rank in self.budgets]
+        return {"recall_slope": self.recall_slope.state_dict(), "shifts": list(self.shifts), "budgets": budgets}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> list[list[LayerBudget]]:
+        """Restore; returns every rank's budgets of the last step before the checkpoint (empty if none)."""
+        self.recall_slope.load_state_dict(state["recall_slope"])
+        self.shifts = list(state["shifts"])
+        self.budgets = [
+            [LayerBudget(*(None if x is None else float(x) for x in row)) for row in rank] for rank in state["budgets"]
+        ]
+        return self.budgets
+
+
+def check_settings(name: str, anchor: str, p: float, min_density: float, recall_tolerance: float) -> None:
+    """One-line errors for DST settings that cannot work, naming the setting as ``name.setting``."""
+    if anchor not in ANCHORS:
+        raise ConfigError(f"{name}.anchor={anchor!r} is unknown; allowed: {', '.join(ANCHORS)}")
+    if not 0.0 <= p <= 1.0:
+        raise ConfigError(f"{name}.p={p} must lie in [0, 1]")
+    if not 0.0 <= min_density <= 1.0:
+        raise ConfigError(f"{name}.min_density={min_density} must lie in [0, 1]")
+    if not 0.0 <= recall_tolerance <= 1.0:
+        raise ConfigError(f"{name}.recall_tolerance={recall_tolerance} must lie in [0, 1]")

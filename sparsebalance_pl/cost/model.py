@@ -1,0 +1,203 @@
+"""The cost model of a run: what documents and micro-batches cost on this hardware, learned from every step.
+
+Sparsity-aware batching balances predicted document costs and dynamic sparsity tuning moves budgets by
+predicted step times; both must agree with each other and with the hardware. So one object holds everything
+those predictions come from:
+
+- the latency model: a profiled table or the analytic prior, with its online calibration;
+- the density estimator: each document's attention density at the base budget, by length (None for dense
+  attention, where every document is dense);
+- per-rank speeds: how much slower or faster a rank's attention runs than predicted for the same work
+  (another GPU model, a throttled or shared device).
+
+It is built once per run and handed explicitly to whoever predicts with it (the data module's ``connect``, the
+DST callback's ``connect``). It learns from every training step: each rank's ``StepRecord`` (its documents,
+what its selection kept and how long its attention calls took) is gathered from every rank, and ``observe``
+folds them in rank order. Every rank then holds the same state, so the checkpoint rank 0 writes resumes every
+rank. The object never communicates itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from sparsebalance_pl.balance import imbalance
+from sparsebalance_pl.cost.density import DensityEstimator
+from sparsebalance_pl.cost.latency import TERMS, LatencyModel
+from sparsebalance_pl.distributed import gather_objects
+
+log = logging.getLogger(__name__)
+
+#: The latency-model terms that ``SparsityReport.attention_seconds`` covers: block selection + attention core.
+TIMED_TERMS = ("attention", "selection")
+_TIMED = np.array([name in TIMED_TERMS for name in TERMS], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class SparsityReport:
+    """What one training micro-batch's forward and backward did on one rank, as host numbers.
+
+    Attributes:
+        density: per attention layer, kept fraction of causal tiles at the budget in use (1.0 when dense).
+        estimated_recall: per attention layer, the selection's estimated share of attention mass kept.
+        base_document_density: per document of the micro-batch, the density (mean over layers) it would have
+            had at the base budgets, from the same ranking: what predicts the cost of later batches.
+        attention_seconds: measured seconds of selection + attention core (``TIMED_TERMS``), forward and
+            backward, free of collectives (``sparsebalance_pl.attention.AttentionTimer``).
+        recall: exact recall on sampled rows (mean over layers) when the module measures it, else None.
+    """
+
+    density: list[float]
+    estimated_recall: list[float]
+    base_document_density: list[float]
+    attention_seconds: float
+    recall: float | None = None
+
+    @property
+    def mean_density(self) -> float:
+        return sum(self.density) / len(self.density)
+
+    @property
+    def mean_estimated_recall(self) -> float:
+        return sum(self.estimated_recall) / len(self.estimated_recall)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One rank's training micro-batch: its documents' lengths and what attention did with them."""
+
+    lengths: list[int]
+    report: SparsityReport
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """One step as ``CostModel.observe`` saw it: every rank's record (rank order), and the timed seconds the
+    model predicted for each rank before it learned from them, beside the measured ones."""
+
+    records: list[StepRecord]
+    predicted: np.ndarray
+    measured: np.ndarray
+
+    @property
+    def measured_imbalance(self) -> float:
+        return imbalance(self.measured)
+
+    @property
+    def relative_error(self) -> np.ndarray:
+        """Predicted over measured, minus one, per rank."""
+        return self.predicted / np.maximum(self.measured, 1e-12) - 1.0
+
+
+class CostModel:
+    """Predicted seconds of documents and micro-batches, corrected from every measured step (module docstring).
+
+    Args:
+        latency: the latency model (``LatencyModel.from_file``, the profiler, or ``LatencyModel.analytic``).
+        density: the density estimator for sparse attention; None when attention is dense.
+        speed_smoothing: weight of each new measurement in a rank's speed, in (0, 1].
+    """
+
+    def __init__(
+        self, latency: LatencyModel, density: DensityEstimator | None = None, *, speed_smoothing: float = 0.3
+    ) -> None:
+        if not 0.0 < speed_smoothing <= 1.0:
+            raise ValueError(f"speed_smoothing={speed_smoothing} must lie in (0, 1]")
+        self.latency = latency
+        self.density = density
+        self.speed_smoothing = speed_smoothing
+        self.log_speeds = np.zeros(0)
+        self.last_step: StepObservation | None = None
+
+    # ------------------------------------------------------------------------------------------ predicting
+    def document_density(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Each document's estimated density at the base budget (1.0 for dense attention)."""
+        n = np.maximum(np.asarray(lengths, dtype=np.float64), 1.0)
+        return self.density(n) if self.density is not None else np.ones_like(n)
+
+    def document_costs(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Predicted seconds each document adds to a micro-batch at its estimated density: what sparsity-aware
+        batching balances."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        return self.latency.doc_costs(lengths, self.document_density(lengths))
+
+    def speed(self, rank: int) -> float:
+        """How many times slower than predicted ``rank``'s attention runs (1.0 before any measurement)."""
+        return math.exp(self.log_speeds[rank]) if rank < self.log_speeds.size else 1.0
+
+    def for_rank(self, rank: int) -> LatencyModel:
+        """The latency model as it holds for ``rank``: its timed terms (attention, selection) scaled by its speed."""
+        calibration = self.latency.calibration
+        log_scales = calibration.log_scales + math.log(self.speed(rank)) * _TIMED
+        return LatencyModel(self.latency.table, replace(calibration, log_scales=log_scales))
+
+    def timed_seconds(self, lengths: Sequence[int], density: float, rank: int | None = None) -> float:
+        """Predicted seconds of the timed terms (what ``SparsityReport.attention_seconds`` measures), at the
+        nominal speed or at ``rank``'s."""
+        model = self.latency if rank is None else self.for_rank(rank)
+        parts = model.breakdown(lengths, density)
+        return sum(parts[name] for name in TIMED_TERMS)
+
+    # ------------------------------------------------------------------------------------------- learning
+    def observe(self, records: Sequence[StepRecord]) -> StepObservation:
+        """Learn from one step's records, one per rank in rank order (the same list on every rank).
+
+        Each rank's speed follows its measured over predicted attention time relative to the other ranks';
+        the latency model is calibrated on each rank's time at the nominal speed; the density estimator learns
+        each document's density at the base budget.
+        """
+        records = list(records)
+        if len(records) != self.log_speeds.size:
+            if self.log_speeds.size:
+                log.warning("rank speeds were learned for %d ranks, this run has %d: they restart",
+                            self.log_speeds.size, len(records))
+            self.log_speeds = np.zeros(len(records))
+        nominal = np.array([self.timed_seconds(r.lengths, r.report.mean_density) for r in records])
+        predicted = nominal * np.exp(self.log_speeds)
+        measured = np.array([r.report.attention_seconds for r in records], dtype=np.float64)
+        valid = np.isfinite(measured) & (measured > 0) & (nominal > 0)
+        if valid.all():
+            relative = np.log(measured / nominal)
+            self.log_speeds += self.speed_smoothing * ((relative - relative.mean()) - self.log_speeds)
+        for rank, record in enumerate(records):
+            if valid[rank]:
+                self.latency.observe(record.lengths, record.report.mean_density, measured[rank] / self.speed(rank),
+                                     terms=TIMED_TERMS)
+            self._observe_density(record.lengths, record.report.base_document_density)
+        self.last_step = StepObservation(records, predicted, measured)
+        return self.last_step
+
+    def observe_densities(self, lengths: Sequence[int], densities: Sequence[float]) -> None:
+        """Learn documents' densities at the base budget measured outside training (a calibration pass)."""
+        self._observe_density(lengths, densities)
+
+    def _observe_density(self, lengths: Sequence[int], densities: Sequence[float]) -> None:
+        docs = [(n, d) for n, d in zip(lengths, densities) if n > 0]
+        if self.density is not None and docs:
+            self.density.observe([n for n, _ in docs], [d for _, d in docs])
+
+    # ---------------------------------------------------------------------------------------- persistence
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "latency": self.latency.state_dict(),
+            "density": None if self.density is None else self.density.state_dict(),
+            "log_speeds": self.log_speeds.tolist(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.latency.load_state_dict(state["latency"])
+        if self.density is not None and state.get("density") is not None:
+            self.density.load_state_dict(state["density"])
+        self.log_speeds = np.asarray(state.get("log_speeds", []), dtype=np.float64)
+
+
+def observe_step(cost_model: CostModel, lengths: Sequence[int], report: SparsityReport, group=None) -> StepObservation:
+    """Gather every rank's record of the training micro-batch just done (one all-gather of a few numbers per
+    rank) and let ``cost_model`` learn from them; call it on every rank after the backward."""
+    return cost_model.observe(gather_objects(StepRecord([int(n) for n in lengths], report), group))

@@ -1,0 +1,86 @@
+"""The cost model as one object: predictions, learning from steps of every rank, state."""
+
+import json
+
+import numpy as np
+import pytest
+
+from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel, SparsityReport, StepRecord
+from sparsebalance_pl.model import PRESETS
+
+LONG, SHORT = [4096], [512] * 8
+
+
+def _cost(sparse: bool = True) -> CostModel:
+    latency = LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16)
+    return CostModel(latency, DensityEstimator(block_size=64) if sparse else None)
+
+
+def _record(cost: CostModel, lengths: list[int], density: float, slower: float = 1.0) -> StepRecord:
+    """A rank's step whose attention took ``slower`` times what ``cost`` predicts at nominal speed."""
+    seconds = slower * cost.timed_seconds(lengths, density)
+    report = SparsityReport([density] * 4, [0.9] * 4, [density] * len(lengths), seconds)
+    return StepRecord(lengths, report)
+
+
+def test_document_costs_follow_the_density_estimate():
+    sparse, dense = _cost(), _cost(sparse=False)
+    lengths = np.array([256, 4096])
+    assert np.allclose(dense.document_density(lengths), 1.0)
+    assert sparse.document_density(lengths)[1] < 1.0
+    assert (sparse.document_costs(lengths) <= dense.document_costs(lengths) + 1e-12).all()
+    assert sparse.document_costs(lengths)[1] < dense.document_costs(lengths)[1]
+
+
+def test_a_slow_rank_is_learned_as_slow_and_only_its_timed_terms_scale():
+    # Same documents on both ranks: with different ones, "rank 1 is slow" and "a term rank 1 spends more on is
+    # costlier" explain the same times, and the filter rightly splits the difference.
+    cost, truth = _cost(), _cost()
+    for _ in range(20):
+        cost.observe([_record(truth, LONG, 0.5), _record(truth, LONG, 0.5, slower=2.0)])
+    assert cost.speed(1) / cost.speed(0) == pytest.approx(2.0, rel=0.05)
+    base, slow = cost.for_rank(0).breakdown(LONG, 0.5), cost.for_rank(1).breakdown(LONG, 0.5)
+    assert slow["attention"] / base["attention"] == pytest.approx(cost.speed(1) / cost.speed(0))
+    assert slow["tokens"] == pytest.approx(base["tokens"])
+    step = cost.last_step
+    assert step.measured_imbalance == pytest.approx(2 / 1.5) and len(step.records) == 2
+    assert np.abs(step.relative_error).max() < 0.1  # predicted with the learned speeds
+
+
+def test_calibration_corrects_a_wrong_table_and_learns_densities():
+    cost = _cost()
+    truth = CostModel(LatencyModel(cost.latency.table.scaled(3.0)))
+    before = abs(cost.timed_seconds(LONG, 0.3) / truth.timed_seconds(LONG, 0.3) - 1)
+    for density in (0.2, 0.4, 0.3, 0.5, 0.25, 0.35):
+        cost.observe([_record(truth, LONG, density), _record(truth, SHORT, density)])
+    after = abs(cost.timed_seconds(LONG, 0.3) / truth.timed_seconds(LONG, 0.3) - 1)
+    assert before > 0.5 and after < 0.1
+    assert cost.density.observed
+
+
+def test_unmeasured_step_leaves_speeds_and_table_alone():
+    cost = _cost()
+    record = _record(cost, LONG, 0.5)
+    zero = StepRecord(SHORT, SparsityReport([0.5] * 4, [0.9] * 4, [0.5] * 8, 0.0))
+    scales = cost.latency.calibration.scales.copy()
+    cost.observe([record, zero])
+    assert cost.log_speeds.tolist() == [0.0, 0.0]
+    assert np.allclose(cost.latency.calibration.scales, scales)  # the measured rank agreed with the table
+
+
+def test_state_round_trips_through_json():
+    cost = _cost()
+    cost.observe([_record(_cost(), LONG, 0.4), _record(_cost(), SHORT, 0.4, slower=1.5)])
+    state = json.loads(json.dumps(cost.state_dict()))
+    twin = _cost()
+    twin.load_state_dict(state)
+    assert twin.state_dict() == cost.state_dict()
+    assert twin.document_costs(SHORT + LONG) == pytest.approx(cost.document_costs(SHORT + LONG))
+    assert twin.for_rank(1).predict(LONG, 0.3) == pytest.approx(cost.for_rank(1).predict(LONG, 0.3))
+
+
+def test_rank_count_change_restarts_speeds(caplog):
+    cost = _cost()
+    cost.observe([_record(_cost(), LONG, 0.4), _record(_cost(), SHORT, 0.4, slower=1.5)])
+    cost.observe([_record(_cost(), LONG, 0.4)] * 3)
+    assert cost.log_speeds.size == 3 and "restart" in caplog.text

@@ -1,0 +1,74 @@
+"""SparseQwen calibrates its cost model from its own steps, whether or not DST is attached."""
+
+from dataclasses import replace
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from sparsebalance_pl.attention import AttentionConfig
+from sparsebalance_pl.callbacks import DynamicSparsityTuning
+from sparsebalance_pl.cost import CostModel, LatencyModel
+from sparsebalance_pl.datamodules.packing import collate_packed
+from sparsebalance_pl.model import ModelConfig
+from sparsebalance_pl.module import OptimConfig, SparseQwen
+
+TINY = {"num_layers": 2, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128}
+HELD_OUT = [([1024], 0.3), ([256] * 4, 0.6), ([512, 128, 384], 0.9), ([896], 0.15)]
+
+
+class SyntheticClockQwen(SparseQwen):
+    """SparseQwen whose attention 'takes' what ``truth`` predicts for what the selection kept: the cost model's
+    learning is then deterministic, and its error measurable against a known answer."""
+
+    truth: CostModel
+
+    def sparsity_report(self):
+        report = super().sparsity_report()
+        lengths = torch.diff(self.last_context.cu_seqlens).tolist()
+        return replace(report, attention_seconds=self.truth.timed_seconds(lengths, report.mean_density))
+
+
+def _batches(steps: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(steps):
+        cuts = np.sort(rng.choice(np.arange(64, 1024, 64), size=int(rng.integers(0, 4)), replace=False))
+        lengths = np.diff(np.concatenate([[0], cuts, [1024]]))
+        batches.append(collate_packed([{"tokens": rng.integers(0, 512, n)} for n in lengths]))
+    return batches
+
+
+def _held_out_error(cost: CostModel, truth: CostModel) -> float:
+    return float(np.median([abs(cost.timed_seconds(n, d) / truth.timed_seconds(n, d) - 1) for n, d in HELD_OUT]))
+
+
+def _fit(with_dst: bool, steps: int = 20) -> tuple[float, float, dict]:
+    torch.manual_seed(0)
+    module = SyntheticClockQwen(
+        model=ModelConfig(preset="demo", overrides=TINY),
+        attention=AttentionConfig(backend="sparse", block_size=64, stride=16, tau=0.9),
+        optim=OptimConfig(lr=1e-3, warmup_steps=0),
+    )
+    module.truth = CostModel(LatencyModel(module.cost_model.latency.table.scaled([1.0, 2.5, 0.5, 1.0])))
+    prior_error = _held_out_error(module.cost_model, module.truth)
+    callbacks = []
+    if with_dst:
+        callbacks.append(DynamicSparsityTuning(p=0.1))
+        callbacks[0].connect(module.cost_model)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks)
+    trainer.fit(module, DataLoader(_batches(steps), batch_size=None))
+    return prior_error, _held_out_error(module.cost_model, module.truth), module.cost_model.state_dict()
+
+
+def test_a_run_without_dst_calibrates_as_well_as_one_with_it():
+    prior, without_dst, state_without = _fit(with_dst=False)
+    _, with_dst, state_with = _fit(with_dst=True)
+    assert without_dst < prior / 3, (prior, without_dst)
+    assert without_dst == pytest.approx(with_dst, rel=1e-6, abs=1e-9)
+    assert state_without["latency"]["calibration"]["count"] == 20
+    assert np.allclose(state_without["latency"]["calibration"]["log_scales"],
+                       state_with["latency"]["calibration"]["log_scales"])
