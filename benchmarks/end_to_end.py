@@ -100,12 +100,13 @@ def variant_config(base: dict, name: str, args: argparse.Namespace, run_dir: Pat
         enable_progress_bar=False, default_root_dir=str(run_dir),
     )
     if args.max_tokens is not None:
-        cfg["data"].update(max_doc_tokens=args.max_tokens, max_tokens=args.max_tokens,
-                           data_dir=f"{cfg['data']['data_dir']}_{args.max_tokens}")
+        corpus = cfg["data"]["corpus"]
+        corpus.update(max_doc_tokens=args.max_tokens, data_dir=f"{corpus['data_dir']}_{args.max_tokens}")
+        cfg["data"]["batching"]["max_tokens"] = args.max_tokens
     if args.epoch_documents is not None:
         trainer.update(max_steps=-1, max_epochs=1, val_check_interval=1.0)
         data_dir = f"data/e2e_{args.epoch_documents}" + (f"_{args.max_tokens}" if args.max_tokens else "")
-        cfg["data"].update(num_documents=args.epoch_documents, data_dir=data_dir)
+        cfg["data"]["corpus"].update(num_documents=args.epoch_documents, data_dir=data_dir)
     if args.devices is not None:
         trainer["devices"] = args.devices
     if args.accelerator is not None:
@@ -122,7 +123,7 @@ def variant_config(base: dict, name: str, args: argparse.Namespace, run_dir: Pat
     model["attention"]["recall_rows"] = args.recall_rows if backend == "sparse" else 0
     if args.init != "none":
         model["model"] = {"pretrained_path": str(Path(args.init).resolve())}
-    cfg["data"]["batching"] = batching
+    cfg["data"]["batching"]["method"] = batching
     return cfg
 
 

@@ -1,6 +1,11 @@
 """Data: litdata corpora, packing and sparsity-aware batching (SAB)."""
 
-from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
+from sparsebalance_pl.datamodules.datamodule import (
+    BatchingConfig,
+    CorpusConfig,
+    EvaluationConfig,
+    LongContextDataModule,
+)
 from sparsebalance_pl.cost.density import DensityEstimator
 from sparsebalance_pl.datamodules.partition import CapacityError, karmarkar_karp, partition
 from sparsebalance_pl.datamodules.planner import (
@@ -11,6 +16,9 @@ from sparsebalance_pl.datamodules.planner import (
 )
 
 __all__ = [
+    "BatchingConfig",
+    "CorpusConfig",
+    "EvaluationConfig",
     "CapacityError",
     "GlobalBatch",
     "LongContextDataModule",

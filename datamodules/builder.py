@@ -51,10 +51,10 @@ class FolderSource:
     def scan(cls, folder: str) -> "FolderSource":
         root = Path(folder)
         if not root.is_dir():
-            raise DataError(f"data.text_dir={folder!r} does not exist or is not a folder")
+            raise DataError(f"data.corpus.text_dir={folder!r} does not exist or is not a folder")
         files = tuple(sorted(str(p) for p in root.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()))
         if not files:
-            raise DataError(f"data.text_dir={folder!r} holds no {' or '.join(TEXT_SUFFIXES)} files")
+            raise DataError(f"data.corpus.text_dir={folder!r} holds no {' or '.join(TEXT_SUFFIXES)} files")
         return cls(files)
 
     def describe(self) -> dict:
@@ -124,7 +124,7 @@ def _encode_chunks(
         return
     if len(ids) > max_doc_tokens:
         action = "rejected" if oversize == "reject" else "split"
-        log.warning("%s: document of %d tokens %s (data.max_doc_tokens=%d, data.oversize=%s)", where, len(ids),
+        log.warning("%s: document of %d tokens %s (data.corpus.max_doc_tokens=%d, data.corpus.oversize=%s)", where, len(ids),
                     action, max_doc_tokens, oversize)
         if oversize == "reject":
             return

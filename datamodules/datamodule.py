@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -67,7 +68,7 @@ class PlanItems(Dataset):
             bad = low if low < 0 else high
             raise DataError(
                 f"{self.source}: sample {index} holds token id {bad}, outside the tokenizer's vocabulary "
-                f"[0, {self.vocab_size}): the dataset is corrupt or was built with another data.tokenizer; delete "
+                f"[0, {self.vocab_size}): the dataset is corrupt or was built with another data.corpus.tokenizer; delete "
                 f"{self.source.parent} so prepare_data rebuilds it"
             )
 
@@ -86,148 +87,182 @@ class SequentialLoaders:
         return sum(len(loader) for loader in self.loaders)
 
 
-class LongContextDataModule(L.LightningDataModule):
-    """Variable-length documents packed into per-rank micro-batches of at most ``max_tokens`` tokens.
-
-    ``prepare_data`` builds ``data_dir/{train,val}`` as litdata datasets when they are missing or were built
-    from another configuration: from the built-in synthetic corpus (``source: synthetic``) or from a local
-    folder of ``.txt``/``.jsonl`` files (``source: folder``, ``text_dir``). The StreamingDatasets are opened in
-    the dataloader hooks, after the processes have started, as litdata requires. Lightning's distributed
-    sampler must be off (``trainer.use_distributed_sampler: false``): the batch sampler shards the plan.
+@dataclass
+class CorpusConfig:
+    """Which documents, and how their litdata dataset is built (``prepare_data``).
 
     Args:
-        data_dir: where the litdata dataset lives (built there if missing).
-        source: ``synthetic`` or ``folder``.
-        text_dir: the folder of text files for ``source: folder``.
+        data_dir: where the litdata dataset lives (built there when missing or built from other settings).
+        source: ``synthetic`` (the built-in corpus) or ``folder`` (``text_dir``).
+        text_dir: the folder of ``.txt``/``.jsonl`` files for ``source: folder``.
         tokenizer: ``byte``, ``qwen-tiktoken`` or a local Hugging Face tokenizer directory.
         num_documents: size of the synthetic corpus (train and validation together).
         length_distribution: ``wlbllm``, ``prolong`` or a JSON file of lengths (synthetic corpus).
-        max_doc_tokens: longest document; longer ones are split into pieces of this length or rejected
-            (``oversize``).
+        max_doc_tokens: longest document; longer ones are split into pieces of this length or rejected.
         oversize: ``split`` or ``reject`` documents longer than ``max_doc_tokens`` (each reported).
-        max_tokens: most tokens in one micro-batch on one rank (memory; at least ``max_doc_tokens``).
+        val_fraction: fraction of documents (or files) held out for validation.
+        build_workers: processes used to build the litdata dataset.
+    """
+
+    data_dir: str = "data/demo"
+    source: Literal["synthetic", "folder"] = "synthetic"
+    text_dir: str | None = None
+    tokenizer: str = "byte"
+    num_documents: int = 4000
+    length_distribution: str = "wlbllm"
+    max_doc_tokens: int = 4096
+    oversize: Literal["split", "reject"] = "split"
+    val_fraction: float = 0.02
+    build_workers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.oversize not in ("split", "reject"):
+            raise ConfigError(f"data.corpus.oversize={self.oversize!r} is unknown; allowed: 'split', 'reject'")
+        if self.source not in ("synthetic", "folder"):
+            raise ConfigError(f"data.corpus.source={self.source!r} is unknown; allowed: 'synthetic', 'folder'")
+        if self.max_doc_tokens < 2:
+            raise ConfigError(f"data.corpus.max_doc_tokens={self.max_doc_tokens} must be at least 2")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"data.corpus.val_fraction={self.val_fraction} must lie in [0, 1)")
+        if self.source == "synthetic" and self.num_documents < 2:
+            raise ConfigError(f"data.corpus.num_documents={self.num_documents} must be at least 2")
+
+
+@dataclass
+class BatchingConfig:
+    """How training documents become per-rank micro-batches.
+
+    Args:
+        method: ``sab`` (sparsity-aware: micro-batches of equal predicted time) or ``first_fit`` (the token-count
+            baseline).
+        max_tokens: most tokens in one micro-batch on one rank (memory; at least ``corpus.max_doc_tokens``).
         tokens_per_rank: with ``sab``, the token budget of a global batch per rank (default ``max_tokens``).
             Smaller budgets leave headroom up to ``max_tokens`` but cut smaller global batches, where the
             costliest single document caps balance more often.
-        val_fraction: fraction of documents (or files) held out for validation.
-        seed: seed of the corpus and of the per-epoch shuffling.
-        num_workers: dataloader worker processes per rank.
-        build_workers: processes used to build the litdata dataset.
-        batching: ``sab`` (sparsity-aware: micro-batches of equal predicted time, DESIGN.md 4.5) or
-            ``first_fit`` (the token-count baseline).
         defer_window: with ``sab``, the most steps an outlier document may be deferred (0: never), which lets
             balance pass the single-step cap set by the costliest document.
-        micro_batches: micro-batches per rank and optimiser step; must equal
-            ``trainer.accumulate_grad_batches``.
-        eval_tasks: synthetic retrieval tasks served by ``test`` (``passkey``, ``multikey_niah``,
-            ``kv_retrieval``), scored by exact match per task and context length.
-        eval_lengths: their context lengths in tokens (default: 512, 1024, ... up to ``max_doc_tokens``).
-        eval_samples_per_cell: samples per task and length.
-        eval_longbench: a LongBench-format ``.jsonl`` file, or a folder of them, also served by ``test``: answers
-            generated greedily and scored by QA F1 and exact match per dataset and length bucket (read now, so
-            a missing path or a file without a valid line stops the run before it starts).
-        eval_longbench_max_tokens: longest LongBench prompt in tokens; longer ones are cut in the middle
-            (default: ``max_tokens - eval_max_new_tokens``).
-        eval_max_new_tokens: most tokens generated per LongBench answer; each costs a forward of the whole
-            packed micro-batch (no KV cache).
+        micro_batches: micro-batches per rank and optimiser step; must equal ``trainer.accumulate_grad_batches``.
+        num_workers: dataloader worker processes per rank.
+    """
+
+    method: Literal["sab", "first_fit"] = "sab"
+    max_tokens: int = 4096
+    tokens_per_rank: int | None = None
+    defer_window: int = 0
+    micro_batches: int = 1
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in ("sab", "first_fit"):
+            raise ConfigError(f"data.batching.method={self.method!r} is unknown; allowed: 'sab', 'first_fit'")
+        if self.defer_window < 0 or self.micro_batches < 1:
+            raise ConfigError(
+                f"data.batching.defer_window={self.defer_window} must be >= 0 and data.batching.micro_batches="
+                f"{self.micro_batches} >= 1"
+            )
+
+    @property
+    def rank_budget(self) -> int:
+        """Tokens per rank in a global batch's budget: ``tokens_per_rank``, or ``max_tokens`` when unset."""
+        return self.tokens_per_rank or self.max_tokens
+
+
+@dataclass
+class EvaluationConfig:
+    """What ``test`` scores (``sparsebalance_pl.evaluation``).
+
+    Args:
+        tasks: synthetic retrieval tasks (``passkey``, ``multikey_niah``, ``kv_retrieval``), scored by exact
+            match per task and context length.
+        lengths: their context lengths in tokens (default: 512, 1024, ... up to ``corpus.max_doc_tokens``).
+        samples_per_cell: samples per task and length.
+        longbench: a LongBench-format ``.jsonl`` file, or a folder of them: answers generated greedily and
+            scored by QA F1 and exact match per dataset and length bucket (read at start, so a missing path or a
+            file without a valid line stops the run before it starts).
+        longbench_max_tokens: longest LongBench prompt in tokens; longer ones are cut in the middle (default:
+            ``batching.max_tokens - max_new_tokens``).
+        max_new_tokens: most tokens generated per LongBench answer; each costs a forward of the whole packed
+            micro-batch (no KV cache).
+    """
+
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    lengths: list[int] | None = None
+    samples_per_cell: int = 16
+    longbench: str | None = None
+    longbench_max_tokens: int | None = None
+    max_new_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"data.evaluation.max_new_tokens={self.max_new_tokens} must be at least 1")
+
+
+class LongContextDataModule(L.LightningDataModule):
+    """Variable-length documents packed into per-rank micro-batches of at most ``batching.max_tokens`` tokens.
+
+    ``prepare_data`` builds ``corpus.data_dir/{train,val}`` as litdata datasets when they are missing or were
+    built from another configuration. The StreamingDatasets are opened in the dataloader hooks, after the
+    processes have started, as litdata requires. Lightning's distributed sampler must be off
+    (``trainer.use_distributed_sampler: false``): the batch sampler shards the plan.
 
     Costs for ``sab`` come from the run's ``CostModel`` once ``connect`` handed it over (``main.py`` hands the
     module's): predicted seconds of each document at its estimated density. Without one, from token counts.
+
+    Args:
+        corpus: the documents (``CorpusConfig``).
+        batching: how they are packed and balanced (``BatchingConfig``).
+        evaluation: what ``test`` scores (``EvaluationConfig``).
+        seed: seed of the corpus and of the per-epoch shuffling.
     """
 
     def __init__(
         self,
-        data_dir: str = "data/demo",
-        source: Literal["synthetic", "folder"] = "synthetic",
-        text_dir: str | None = None,
-        tokenizer: str = "byte",
-        num_documents: int = 4000,
-        length_distribution: str = "wlbllm",
-        max_doc_tokens: int = 4096,
-        oversize: Literal["split", "reject"] = "split",
-        max_tokens: int = 4096,
-        val_fraction: float = 0.02,
+        corpus: CorpusConfig = CorpusConfig(),
+        batching: BatchingConfig = BatchingConfig(),
+        evaluation: EvaluationConfig = EvaluationConfig(),
         seed: int = 0,
-        num_workers: int = 0,
-        build_workers: int = 1,
-        batching: Literal["sab", "first_fit"] = "sab",
-        tokens_per_rank: int | None = None,
-        defer_window: int = 0,
-        micro_batches: int = 1,
-        eval_tasks: list[str] = list(TASKS),
-        eval_lengths: list[int] | None = None,
-        eval_samples_per_cell: int = 16,
-        eval_longbench: str | None = None,
-        eval_longbench_max_tokens: int | None = None,
-        eval_max_new_tokens: int = 32,
     ) -> None:
         super().__init__()
-        if batching not in ("sab", "first_fit"):
-            raise ConfigError(f"data.batching={batching!r} is unknown; allowed: 'sab', 'first_fit'")
-        if defer_window < 0 or micro_batches < 1:
+        if batching.max_tokens < corpus.max_doc_tokens:
             raise ConfigError(
-                f"data.defer_window={defer_window} must be >= 0 and data.micro_batches={micro_batches} >= 1"
+                f"data.batching.max_tokens={batching.max_tokens} is below data.corpus.max_doc_tokens="
+                f"{corpus.max_doc_tokens}: the longest allowed document must fit in one micro-batch; raise max_tokens "
+                "or lower max_doc_tokens"
             )
-        if oversize not in ("split", "reject"):
-            raise ConfigError(f"data.oversize={oversize!r} is unknown; allowed: 'split', 'reject'")
-        if source not in ("synthetic", "folder"):
-            raise ConfigError(f"data.source={source!r} is unknown; allowed: 'synthetic', 'folder'")
-        if max_doc_tokens < 2:
-            raise ConfigError(f"data.max_doc_tokens={max_doc_tokens} must be at least 2")
-        if max_tokens < max_doc_tokens:
+        if not corpus.max_doc_tokens <= batching.rank_budget <= batching.max_tokens:
             raise ConfigError(
-                f"data.max_tokens={max_tokens} is below data.max_doc_tokens={max_doc_tokens}: the longest allowed "
-                "document must fit in one micro-batch; raise max_tokens or lower max_doc_tokens"
+                f"data.batching.tokens_per_rank={batching.rank_budget} must lie between data.corpus.max_doc_tokens="
+                f"{corpus.max_doc_tokens} and data.batching.max_tokens={batching.max_tokens}"
             )
-        if not 0.0 <= val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction={val_fraction} must lie in [0, 1)")
-        if source == "synthetic" and num_documents < 2:
-            raise ConfigError(f"data.num_documents={num_documents} must be at least 2")
-        self.source = FolderSource.scan(text_dir) if source == "folder" else SyntheticSource(
-            num_documents=num_documents, length_distribution=length_distribution, seed=seed
+        self.corpus, self.batching, self.evaluation, self.seed = corpus, batching, evaluation, seed
+        self.source = FolderSource.scan(corpus.text_dir) if corpus.source == "folder" else SyntheticSource(
+            num_documents=corpus.num_documents, length_distribution=corpus.length_distribution, seed=seed
         )
-        if source == "synthetic":
-            LengthPrior.load(length_distribution)  # fail now, not in prepare_data, on a bad distribution
-        self.tokenizer = load_tokenizer(tokenizer)
-        self.tokenizer_spec = tokenizer
-        self.data_dir = Path(data_dir)
-        self.max_doc_tokens = max_doc_tokens
-        self.oversize = oversize
-        self.max_tokens = max_tokens
-        self.val_fraction = val_fraction
-        self.seed = seed
-        self.num_workers = num_workers
-        self.build_workers = build_workers
-        self.batching = batching
-        self.tokens_per_rank = tokens_per_rank or max_tokens
-        if not max_doc_tokens <= self.tokens_per_rank <= max_tokens:
-            raise ConfigError(
-                f"data.tokens_per_rank={self.tokens_per_rank} must lie between data.max_doc_tokens={max_doc_tokens} "
-                f"and data.max_tokens={max_tokens}"
-            )
-        self.defer_window = defer_window
-        self.micro_batches = micro_batches
-        default_lengths = [n for n in (512, 1024, 2048, 4096, 8192, 16384, 32768) if n <= max_doc_tokens]
+        if corpus.source == "synthetic":
+            LengthPrior.load(corpus.length_distribution)  # fail now, not in prepare_data, on a bad distribution
+        self.tokenizer = load_tokenizer(corpus.tokenizer)
+        self.data_dir = Path(corpus.data_dir)
+        default_lengths = [n for n in (512, 1024, 2048, 4096, 8192, 16384, 32768) if n <= corpus.max_doc_tokens]
         self.eval_config = EvalConfig(
-            tasks=tuple(eval_tasks),
-            lengths=tuple(eval_lengths or default_lengths or [max_doc_tokens]),
-            samples_per_cell=eval_samples_per_cell,
+            tasks=tuple(evaluation.tasks),
+            lengths=tuple(evaluation.lengths or default_lengths or [corpus.max_doc_tokens]),
+            samples_per_cell=evaluation.samples_per_cell,
             seed=seed + 1,
         )
-        if max(self.eval_config.lengths) > max_tokens:
-            raise ConfigError(f"data.eval_lengths={list(self.eval_config.lengths)} exceed data.max_tokens={max_tokens}")
-        if eval_max_new_tokens < 1:
-            raise ConfigError(f"data.eval_max_new_tokens={eval_max_new_tokens} must be at least 1")
-        self.eval_max_new_tokens = eval_max_new_tokens
-        room = max_tokens - eval_max_new_tokens
-        self.eval_longbench_max_tokens = room if eval_longbench_max_tokens is None else eval_longbench_max_tokens
-        if eval_longbench and not 1 <= self.eval_longbench_max_tokens <= room:
+        if max(self.eval_config.lengths) > batching.max_tokens:
             raise ConfigError(
-                f"data.eval_longbench_max_tokens={self.eval_longbench_max_tokens} must lie between 1 and "
-                f"data.max_tokens - data.eval_max_new_tokens = {room}: a prompt and its answer must fit in one "
-                "micro-batch"
+                f"data.evaluation.lengths={list(self.eval_config.lengths)} exceed data.batching.max_tokens="
+                f"{batching.max_tokens}"
             )
-        self.longbench = read_longbench(eval_longbench) if eval_longbench else []
+        room = batching.max_tokens - evaluation.max_new_tokens
+        self.longbench_max_tokens = room if evaluation.longbench_max_tokens is None else evaluation.longbench_max_tokens
+        if evaluation.longbench and not 1 <= self.longbench_max_tokens <= room:
+            raise ConfigError(
+                f"data.evaluation.longbench_max_tokens={self.longbench_max_tokens} must lie between 1 and "
+                f"data.batching.max_tokens - data.evaluation.max_new_tokens = {room}: a prompt and its answer must fit "
+                "in one micro-batch"
+            )
+        self.longbench = read_longbench(evaluation.longbench) if evaluation.longbench else []
         self.longbench_cells = cell_names(self.longbench)[0] if self.longbench else []
         self.train_sampler: PlannedBatchSampler | None = None
         self.planned_efficiency: dict[int, float] = {}
@@ -247,11 +282,11 @@ class LongContextDataModule(L.LightningDataModule):
         build_splits(
             str(self.data_dir),
             self.source,
-            tokenizer_spec=self.tokenizer_spec,
-            max_doc_tokens=self.max_doc_tokens,
-            val_fraction=self.val_fraction,
-            num_workers=self.build_workers,
-            oversize=self.oversize,
+            tokenizer_spec=self.corpus.tokenizer,
+            max_doc_tokens=self.corpus.max_doc_tokens,
+            val_fraction=self.corpus.val_fraction,
+            num_workers=self.corpus.build_workers,
+            oversize=self.corpus.oversize,
         )
 
     def lengths(self, split: str) -> np.ndarray:
@@ -272,18 +307,18 @@ class LongContextDataModule(L.LightningDataModule):
         num_ranks, _ = self._ranks()
         costs = self._document_costs(lengths) if costs is None else np.asarray(costs, dtype=np.float64)
         self.plan_costs = (epoch, costs)
-        if self.batching == "first_fit":
+        if self.batching.method == "first_fit":
             plan = first_fit_plan(
-                lengths, costs, max_tokens=self.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=epoch,
+                lengths, costs, max_tokens=self.batching.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=epoch,
                 shuffle=True,
             )
         else:
             config = PlannerConfig(
                 world_size=num_ranks,
-                tokens_per_rank=self.tokens_per_rank,
-                capacity=self.max_tokens,
-                micro_batches=self.micro_batches,
-                defer_window=self.defer_window,
+                tokens_per_rank=self.batching.rank_budget,
+                capacity=self.batching.max_tokens,
+                micro_batches=self.batching.micro_batches,
+                defer_window=self.batching.defer_window,
                 seed=self.seed,
             )
             cost_of_length = dict(zip(lengths.tolist(), costs.tolist()))  # costs depend on length alone
@@ -296,7 +331,7 @@ class LongContextDataModule(L.LightningDataModule):
     def _check_ranks_agree(self, lengths: np.ndarray) -> None:
         """Stop when ranks would plan from different data or settings: their plans would diverge and the
         collectives hang."""
-        settings = (self.seed, self.batching, self.max_tokens, self.tokens_per_rank, self.defer_window, self.micro_batches)
+        settings = (self.seed, self.batching.method, self.batching.max_tokens, self.batching.rank_budget, self.batching.defer_window, self.batching.micro_batches)
         check_ranks_agree(
             np.ascontiguousarray(lengths, dtype=np.int64).tobytes() + repr(settings).encode(),
             f"the training data or plan settings: every rank must see the same {self.data_dir} and data settings",
@@ -321,7 +356,7 @@ class LongContextDataModule(L.LightningDataModule):
             self.train_sampler = sampler
         else:
             plan = first_fit_plan(
-                lengths, lengths, max_tokens=self.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=0,
+                lengths, lengths, max_tokens=self.batching.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=0,
                 shuffle=False,
             )
             sampler = PlannedBatchSampler(lambda epoch: plan, rank=rank)
@@ -330,8 +365,8 @@ class LongContextDataModule(L.LightningDataModule):
                       self.data_dir / split),
             batch_sampler=sampler,
             collate_fn=collate_packed,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            num_workers=self.batching.num_workers,
+            persistent_workers=self.batching.num_workers > 0,
         )
 
     def calibration_batches(self, min_length: int = 1, per_bin: int = 2) -> list[dict]:
@@ -347,14 +382,14 @@ class LongContextDataModule(L.LightningDataModule):
         picked = np.concatenate([order[bins == b][:per_bin] for b in np.unique(bins)] or [order])
         dataset = litdata.StreamingDataset(str(self.data_dir / "train"))
         items = PlanItems(dataset, len(lengths), self.vocab_size, self.data_dir / "train")
-        packed = first_fit(lengths, picked[np.argsort(-lengths[picked], kind="stable")], self.max_tokens)
+        packed = first_fit(lengths, picked[np.argsort(-lengths[picked], kind="stable")], self.batching.max_tokens)
         return [collate_packed([items[int(i)] for i in batch]) for batch in packed]
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", train=True)
 
     def val_dataloader(self) -> DataLoader | list:
-        return self._loader("val", train=False) if self.val_fraction > 0 else []
+        return self._loader("val", train=False) if self.corpus.val_fraction > 0 else []
 
     def evaluations(self) -> list[Evaluation]:
         """The test suites, in the order of ``test_dataloader``'s loaders: the synthetic retrieval tasks
@@ -363,7 +398,7 @@ class LongContextDataModule(L.LightningDataModule):
         if self.eval_config.tasks:
             suites.append(RetrievalEvaluation(self.eval_config.cells))
         if self.longbench:
-            suites.append(LongBenchEvaluation(self.longbench_cells, self.tokenizer, self.eval_max_new_tokens))
+            suites.append(LongBenchEvaluation(self.longbench_cells, self.tokenizer, self.evaluation.max_new_tokens))
         return suites
 
     def test_dataloader(self) -> SequentialLoaders:
@@ -377,8 +412,8 @@ class LongContextDataModule(L.LightningDataModule):
                 lengths = [len(s["tokens"]) for s in samples]
                 collate = collate_answers
             else:
-                samples = make_prompts(self.longbench, self.tokenizer, self.eval_longbench_max_tokens)
-                lengths = [len(s["tokens"]) + self.eval_max_new_tokens for s in samples]
+                samples = make_prompts(self.longbench, self.tokenizer, self.longbench_max_tokens)
+                lengths = [len(s["tokens"]) + self.evaluation.max_new_tokens for s in samples]
                 collate = collate_prompts
             loaders.append(self._eval_loader(samples, lengths, partial(_tagged, collate, index)))
         return SequentialLoaders(loaders)
@@ -388,7 +423,7 @@ class LongContextDataModule(L.LightningDataModule):
         lengths = np.array(lengths)
         num_ranks, rank = self._ranks()
         plan = first_fit_plan(
-            lengths, lengths, max_tokens=self.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=0, shuffle=False
+            lengths, lengths, max_tokens=self.batching.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=0, shuffle=False
         )
         return DataLoader(
             PlanItems(samples, len(samples)),

@@ -65,11 +65,11 @@ class EvalConfig:
     def __post_init__(self) -> None:
         unknown = set(self.tasks) - set(TASKS)
         if unknown:
-            raise ConfigError(f"data.eval_tasks has unknown tasks {sorted(unknown)}; allowed: {list(TASKS)}")
+            raise ConfigError(f"data.evaluation.tasks has unknown tasks {sorted(unknown)}; allowed: {list(TASKS)}")
         if not self.lengths or min(self.lengths) < 128:
-            raise ConfigError(f"data.eval_lengths={list(self.lengths)} must be context lengths of at least 128")
+            raise ConfigError(f"data.evaluation.lengths={list(self.lengths)} must be context lengths of at least 128")
         if self.samples_per_cell < 1:
-            raise ConfigError(f"data.eval_samples_per_cell={self.samples_per_cell} must be at least 1")
+            raise ConfigError(f"data.evaluation.samples_per_cell={self.samples_per_cell} must be at least 1")
 
 
 def make_eval_samples(config: EvalConfig, tokenizer: Tokenizer) -> list[dict]:

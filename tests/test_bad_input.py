@@ -24,7 +24,7 @@ def test_split_documents_are_reported_and_no_token_is_lost(tmp_path, capfd):
     build_splits(str(tmp_path / "data"), FolderSource.scan(str(text_dir)), tokenizer_spec="byte",
                  max_doc_tokens=300, val_fraction=0.0)
     err = capfd.readouterr().err
-    assert "long.txt: document of 701 tokens split (data.max_doc_tokens=300, data.oversize=split)" in err
+    assert "long.txt: document of 701 tokens split (data.corpus.max_doc_tokens=300, data.corpus.oversize=split)" in err
     assert sorted(load_lengths(tmp_path / "data" / "train").tolist()) == [6, 101, 300, 300]  # 701 tokens, and hello
 
 
@@ -66,7 +66,7 @@ def test_tokens_outside_the_vocabulary_are_named_with_their_sample(tmp_path):
 
 @pytest.mark.slow
 def test_damaged_chunk_stops_a_two_rank_run_with_its_name(tmp_path):
-    data = {"num_documents": 120, "max_doc_tokens": 512, "max_tokens": 1024}
+    data = {"corpus.num_documents": 120, "corpus.max_doc_tokens": 512, "batching.max_tokens": 1024}
     build_demo_data(tmp_path, **data)
     name = _damage_header(tmp_path / "data" / "demo" / "train")
     result = run_main(tmp_path, "fit", "--config", str(REPO / "configs" / "demo.yaml"),
@@ -80,15 +80,15 @@ def test_damaged_chunk_stops_a_two_rank_run_with_its_name(tmp_path):
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--data.micro_batches=2"], ["data.micro_batches=2", "trainer.accumulate_grad_batches=1"]),
+        (["--data.batching.micro_batches=2"], ["data.batching.micro_batches=2", "trainer.accumulate_grad_batches=1"]),
         (["--trainer.use_distributed_sampler=true"], ["trainer.use_distributed_sampler", "false"]),
-        (["--data.tokenizer=qwen-tiktoken"], ["data.tokenizer", "vocab_size"]),
-        (["--data.max_doc_tokens=32768", "--data.max_tokens=32768"],
-         ["data.max_doc_tokens", "max_position_embeddings"]),
-        (["--data.tokens_per_rank=10"], ["data.tokens_per_rank", "data.max_doc_tokens", "data.max_tokens"]),
-        (["--data.oversize=drop"], ["data.oversize", "split", "reject"]),
-        (["--data.val_fraction=1"], ["data.val_fraction", "[0, 1)"]),
-        (["--data.length_distribution=nope"], ["data.length_distribution", "wlbllm", "prolong"]),
+        (["--data.corpus.tokenizer=qwen-tiktoken"], ["data.corpus.tokenizer", "vocab_size"]),
+        (["--data.corpus.max_doc_tokens=32768", "--data.batching.max_tokens=32768"],
+         ["data.corpus.max_doc_tokens", "max_position_embeddings"]),
+        (["--data.batching.tokens_per_rank=10"], ["data.batching.tokens_per_rank", "data.corpus.max_doc_tokens", "data.batching.max_tokens"]),
+        (["--data.corpus.oversize=drop"], ["data.corpus.oversize", "split", "reject"]),
+        (["--data.corpus.val_fraction=1"], ["data.corpus.val_fraction", "[0, 1)"]),
+        (["--data.corpus.length_distribution=nope"], ["data.corpus.length_distribution", "wlbllm", "prolong"]),
         (["--model.optim.lr=-1"], ["optim.lr", "positive"]),
         (["--model.loss_chunk_tokens=0"], ["loss_chunk_tokens", "positive"]),
         (["--model.attention.stride=128"], ["attention.stride", "power of two", "attention.block_size"]),

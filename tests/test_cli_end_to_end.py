@@ -10,7 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SMALL = [
     "--config", str(REPO / "configs" / "demo.yaml"),
-    "--data.num_documents=120", "--data.max_doc_tokens=1024", "--data.max_tokens=1024",
+    "--data.corpus.num_documents=120", "--data.corpus.max_doc_tokens=1024", "--data.batching.max_tokens=1024",
     "--model.model.overrides={num_layers: 2}",
     "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
 ]
@@ -37,7 +37,7 @@ def test_fit_then_validate_from_checkpoint(tmp_path):
     assert checkpoint.exists()
     result = _run(tmp_path, "validate", *SMALL, f"--ckpt_path={checkpoint}")
     assert "val/loss" in result.stdout
-    result = _run(tmp_path, "test", *SMALL, f"--ckpt_path={checkpoint}", "--data.eval_lengths=[256, 512]",
-                  "--data.eval_samples_per_cell=2")
+    result = _run(tmp_path, "test", *SMALL, f"--ckpt_path={checkpoint}", "--data.evaluation.lengths=[256, 512]",
+                  "--data.evaluation.samples_per_cell=2")
     for cell in ("passkey@256", "multikey_niah@512", "kv_retrieval@512"):
         assert f"test/accuracy/{cell}" in result.stdout

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
-from sparsebalance_pl.datamodules.datamodule import LongContextDataModule, PlanItems
+from sparsebalance_pl.datamodules.datamodule import BatchingConfig, CorpusConfig, LongContextDataModule, PlanItems
 from sparsebalance_pl.datamodules.packing import collate_packed, first_fit
 from sparsebalance_pl.datamodules.planner import PlannerConfig
 from sparsebalance_pl.datamodules.sampler import (
@@ -148,8 +148,8 @@ def test_missing_and_empty_folders_are_reported(tmp_path):
 
 
 def test_datamodule_serves_packed_batches(tmp_path):
-    dm = LongContextDataModule(data_dir=str(tmp_path), num_documents=60, max_doc_tokens=256, max_tokens=512,
-                               val_fraction=0.1)
+    dm = LongContextDataModule(CorpusConfig(data_dir=str(tmp_path), num_documents=60, max_doc_tokens=256,
+                                            val_fraction=0.1), BatchingConfig(max_tokens=512))
     dm.prepare_data()
     batches = list(dm.train_dataloader())
     assert batches and all(b["input_ids"].shape[1] <= 512 for b in batches)
@@ -166,7 +166,7 @@ def test_tokenizers():
     ids = qwen.encode("Hello world")
     assert ids == [9707, 1879]  # Qwen2's BPE ids for "Hello" and " world"
     assert qwen.decode(ids + [qwen.eos_id]) == "Hello world"
-    with pytest.raises(ConfigError, match="data.tokenizer"):
+    with pytest.raises(ConfigError, match="data.corpus.tokenizer"):
         load_tokenizer("/no/such/tokenizer")
 
 
@@ -203,8 +203,8 @@ def test_eval_tasks_hold_their_answers_at_the_end():
 
 
 def _agree_or_not(rank, data_dir, disagree):
-    dm = LongContextDataModule(data_dir=data_dir, num_documents=20, max_doc_tokens=256, max_tokens=512,
-                               val_fraction=0.0, seed=0)
+    dm = LongContextDataModule(CorpusConfig(data_dir=data_dir, num_documents=20, max_doc_tokens=256, val_fraction=0.0),
+                               BatchingConfig(max_tokens=512), seed=0)
     dm._check_ranks_agree(np.arange(10) + (rank if disagree else 0))
 
 
@@ -256,8 +256,8 @@ def test_truncated_chunk_is_named(tmp_path):
 
 
 def test_fresh_fit_calibrates_the_density_estimate_before_the_first_plan(tmp_path, caplog):
-    dm = LongContextDataModule(data_dir=str(tmp_path / "data"), num_documents=80, max_doc_tokens=512, max_tokens=1024,
-                               val_fraction=0.0, batching="sab")
+    dm = LongContextDataModule(CorpusConfig(data_dir=str(tmp_path / "data"), num_documents=80, max_doc_tokens=512,
+                                            val_fraction=0.0), BatchingConfig(method="sab", max_tokens=1024))
     dm.prepare_data()
     batches = dm.calibration_batches(min_length=16, per_bin=2)
     lengths = [n for b in batches for n in torch.diff(b["cu_seqlens"]).tolist()]

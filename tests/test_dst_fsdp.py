@@ -15,10 +15,10 @@ P = 0.2
 def test_overloaded_rank_gets_sparser_and_predicted_imbalance_falls(tmp_path):
     args = [
         sys.executable, str(REPO / "main.py"), "fit", "--config", str(REPO / "configs/demo.yaml"),
-        "--data.num_documents=120", "--data.max_doc_tokens=1024", "--data.max_tokens=1024",
+        "--data.corpus.num_documents=120", "--data.corpus.max_doc_tokens=1024", "--data.batching.max_tokens=1024",
         "--model.model.overrides={num_layers: 2}", "--trainer.log_every_n_steps=1", "--trainer.max_steps=4",
         "--trainer.limit_val_batches=0",
-        "--data.batching=first_fit",  # token-count packing leaves the cost imbalance that DST must fix
+        "--data.batching.method=first_fit",  # token-count packing leaves the cost imbalance that DST must fix
         f'--trainer.callbacks=[{{"class_path": "sparsebalance_pl.callbacks.DynamicSparsityTuning", '
         f'"init_args": {{"p": {P}}}}}]',
     ]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from main_runner import REPO, build_demo_data, run_main
 
-DATA = {"num_documents": 120, "max_doc_tokens": 512, "max_tokens": 1024}
+DATA = {"corpus.num_documents": 120, "corpus.max_doc_tokens": 512, "batching.max_tokens": 1024}
 ARGS = [
     "fit", "--config", str(REPO / "configs" / "demo.yaml"), *(f"--data.{k}={v}" for k, v in DATA.items()),
     "--model.model.overrides={num_layers: 2}", "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=1",

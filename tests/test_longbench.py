@@ -12,7 +12,7 @@ from transformers import Qwen2ForCausalLM
 
 from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.cli import main
-from sparsebalance_pl.datamodules import LongContextDataModule
+from sparsebalance_pl.datamodules import BatchingConfig, CorpusConfig, EvaluationConfig, LongContextDataModule
 from sparsebalance_pl.datamodules.longbench import collate_prompts, make_prompts, read_longbench, truncate_middle
 from sparsebalance_pl.datamodules.tokenizer import ByteTokenizer
 from sparsebalance_pl.errors import ConfigError, DataError
@@ -158,7 +158,7 @@ def test_prompts_follow_longbench_layout_and_are_cut_in_the_middle(tmp_path, cap
     assert truncate_middle(list(range(10)), 5) == [0, 1, 7, 8, 9]
     with caplog.at_level(logging.WARNING):
         samples = make_prompts(records, tok, max_prompt_tokens=200)
-    assert "1 of 2 prompts longer than data.eval_longbench_max_tokens=200 were truncated" in caplog.text
+    assert "1 of 2 prompts longer than data.evaluation.longbench_max_tokens=200 were truncated" in caplog.text
     cut = tok.decode(samples[1]["tokens"].tolist())
     assert len(samples[1]["tokens"]) == 200 and cut.startswith("The xxx") and cut.endswith("?\nAnswer:")
     batch = collate_prompts([samples[0], {**samples[1], "bears_loss": False}])
@@ -171,9 +171,10 @@ def _test_scores(tmp_path, next_tokens=None) -> dict:
     ``next_tokens`` replaces the model's greedy predictions."""
     path = _write_jsonl(tmp_path / "lb.jsonl", [_record("hotpotqa", "key"), _record("hotpotqa", "cup", length=5000),
                                                  _record("trec", "pen")])
-    data = LongContextDataModule(data_dir=str(tmp_path / "unused"), max_doc_tokens=256, max_tokens=512,
-                                 eval_tasks=["passkey"], eval_lengths=[128], eval_samples_per_cell=1,
-                                 eval_longbench=str(path), eval_max_new_tokens=3)
+    data = LongContextDataModule(
+        CorpusConfig(data_dir=str(tmp_path / "unused"), max_doc_tokens=256), BatchingConfig(max_tokens=512),
+        EvaluationConfig(tasks=["passkey"], lengths=[128], samples_per_cell=1, longbench=str(path), max_new_tokens=3),
+    )
     data.prepare_data = lambda: None  # the test splits are generated in memory; no training corpus needed
     torch.manual_seed(0)
     module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY),
@@ -216,9 +217,9 @@ def test_scores_are_averaged_per_dataset_and_bucket(tmp_path):
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--data.eval_longbench=/nonexistent/longbench"], ["data.eval_longbench", "does not exist"]),
-        (["--data.eval_longbench=/nonexistent/longbench", "--data.eval_max_new_tokens=4096"],
-         ["data.eval_longbench_max_tokens", "data.max_tokens - data.eval_max_new_tokens = 0"]),
+        (["--data.evaluation.longbench=/nonexistent/longbench"], ["data.evaluation.longbench", "does not exist"]),
+        (["--data.evaluation.longbench=/nonexistent/longbench", "--data.evaluation.max_new_tokens=4096"],
+         ["data.evaluation.longbench_max_tokens", "data.batching.max_tokens - data.evaluation.max_new_tokens = 0"]),
     ],
 )
 def test_bad_longbench_settings_stop_with_one_line(capsys, monkeypatch, args, expected):

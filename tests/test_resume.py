@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 HELPERS = REPO / "tests" / "helpers"
 ARGS = [
     "fit", "--config", str(REPO / "configs" / "demo.yaml"),
-    "--data.num_documents=200", "--data.max_doc_tokens=512", "--data.max_tokens=1024",
+    "--data.corpus.num_documents=200", "--data.corpus.max_doc_tokens=512", "--data.batching.max_tokens=1024",
     "--model.model.overrides={num_layers: 2}",
     "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=1", "--trainer.max_steps=6",
 ]

@@ -20,9 +20,9 @@ JOB_ID = "4242"
 MAX_STEPS = 12
 ARGS = [
     "fit", "--config", str(REPO / "configs" / "demo.yaml"),
-    "--data.num_documents=120", "--data.max_doc_tokens=512", "--data.max_tokens=1024",
+    "--data.corpus.num_documents=120", "--data.corpus.max_doc_tokens=512", "--data.batching.max_tokens=1024",
     "--model.model.overrides={num_layers: 2}", "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=1",
-    f"--trainer.max_steps={MAX_STEPS}", "--data.micro_batches=2", "--trainer.accumulate_grad_batches=2",
+    f"--trainer.max_steps={MAX_STEPS}", "--data.batching.micro_batches=2", "--trainer.accumulate_grad_batches=2",
     # Validation is on but not due within the run: only an early stop would start it.
     "--trainer.check_val_every_n_epoch=null", "--trainer.val_check_interval=1000",
 ]
