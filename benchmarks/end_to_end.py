@@ -13,7 +13,7 @@ Static variants run the DST callback with p = 0, so it only measures: every vari
 per-rank attention times (collective-free), from which measured imbalance and balance efficiency come.
 All variants start from ``--init`` (a Hugging Face directory, e.g. ``main.py export`` of a demo checkpoint
 trained until its attention is sharp) or from random initialisation (``--init none``); the regime line
-gives the baseline's mean density and recall at the base budget (DESIGN.md 4.4) and its predicted
+gives the baseline's mean density and recall at the base budget and its predicted
 whole-step imbalance across ranks (the most that any balancing can gain), how many of its steps are
 imbalanced, and the share of the step its slowest rank spends in attention. Per variant: median step
 time after ``--warmup`` steps, global tokens per second (and its ratio to the baseline: the speed-up per

@@ -5,7 +5,7 @@ a named preset, or a trained model via ``--init``) and the same tokens, dense at
 attention at the given budgets (tau, optionally a density cap), variants alternated repetition by
 repetition, medians and ratios to dense printed with the density each budget selected. Random tokens keep
 the attention pattern of the model's weights: a randomly initialised model attends near-uniformly, a
-trained one sharply (DESIGN.md 4.4), which is what decides the selected density.
+trained one sharply, which is what decides the selected density.
 
     python benchmarks/model_step.py --lengths 4096                       # the demo's longest micro-batch
     python benchmarks/model_step.py --init outputs/sharp/hf --lengths 4096

@@ -8,7 +8,7 @@ from balancing (the documents left out open the next batch), which the ``fill`` 
 tokens per batch over the budget; the baselines get the same shorter batches. Our planner with deferral
 cuts its own batches from the same stream (outliers move to later steps by design; its own fill is shown).
 Every method is scored with the same evaluation cost model: balance efficiency (sum over steps of mean
-rank time / sum of max, DESIGN.md 6), largest tokens on a rank over the capacity (> 1 overflows memory:
+rank time / sum of max), largest tokens on a rank over the capacity (> 1 overflows memory:
 the baselines ignore the capacity), and planning time per global batch.
 
 Cost models: ``sparsebalance_pl.latency.LatencyModel.analytic`` for Qwen2.5-0.5B (block 64, stride 16)

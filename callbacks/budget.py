@@ -1,4 +1,4 @@
-"""The budget rule of dynamic sparsity tuning, as pure functions of predicted times (DESIGN.md 4.4).
+"""The budget rule of dynamic sparsity tuning, as pure functions of predicted times.
 
 Every rank predicts its micro-batch's time at the base budget and at the ends of its allowed range, the
 ranks share these few numbers, and all agree on an anchor time A. Each rank then moves toward A: its
@@ -50,9 +50,6 @@ class Outlook:
     density: float
     tokens: float
     floor: float
-
-    def to_list(self) -> list[float]:
-        return [self.base, self.low, self.high, self.density, self.tokens, self.floor]
 
     def at(self, anchor: float) -> float:
         """Predicted seconds once the budget moved toward ``anchor``."""

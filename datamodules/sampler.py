@@ -63,7 +63,7 @@ def first_fit_plan(
 
 
 def sparsity_aware_plan(lengths: np.ndarray, cost_fn: CostFn, config: PlannerConfig, epoch: int) -> EpochPlan:
-    """SAB (DESIGN.md 4.5): global batches partitioned into micro-batches of equal predicted time."""
+    """Sparsity-aware batching: global batches partitioned into micro-batches of equal predicted time."""
     return [
         StepPlan(
             [[[segment.doc for segment in mb] or [_padding(lengths)] for mb in per_rank] for per_rank in batch.micro_batches],
@@ -75,7 +75,7 @@ def sparsity_aware_plan(lengths: np.ndarray, cost_fn: CostFn, config: PlannerCon
 
 
 def plan_efficiency(plan: EpochPlan) -> float:
-    """Predicted balance efficiency (DESIGN.md 6) of a plan, from each step's per-rank costs."""
+    """Predicted balance efficiency (``balance.balance_efficiency``) of a plan, from each step's per-rank costs."""
     return balance_efficiency(step.costs for step in plan)
 
 

@@ -1,4 +1,4 @@
-"""Sparse attention kernels: block selection and block-sparse attention (DESIGN 4.1, 4.2, 5).
+"""Sparse attention kernels: block selection and block-sparse attention.
 
 Importing this package imports neither torch nor triton: transformers imports any importable top-level
 ``kernels`` package when ``python main.py`` runs from the repository root, so the public names are

@@ -52,7 +52,7 @@ def check_attention_inputs(
     cu_seqlens: torch.Tensor,
     block_size: int,
 ) -> None:
-    """The argument contract of ``block_sparse_attention`` (DESIGN 5)."""
+    """The argument contract of ``block_sparse_attention``."""
     check_power_of_two("block_size", block_size)
     check_qk(q, k)
     if v.shape != k.shape or v.device != k.device:
@@ -117,7 +117,7 @@ def pair_mask(
     block_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact token-level mask for query tokens ``rows``: [R, T] causal and same document, further
-    restricted by ``block_mask`` [H, nB, nB] to [H, R, T] when given (the semantics of DESIGN 4.2)."""
+    restricted by ``block_mask`` [H, nB, nB] to [H, R, T] when given (the semantics of ``block_sparse_attention``)."""
     cols = torch.arange(doc.numel(), device=doc.device)
     allowed = (doc[rows, None] == doc[None, :]) & (cols[None, :] <= rows[:, None])
     if block_mask is None:

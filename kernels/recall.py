@@ -1,6 +1,6 @@
 """Exact recall of a block mask: the share of the true softmax attention mass that the kept blocks capture.
 
-This is the accuracy side of every sparsity budget (DESIGN 6), measured on sampled query rows so that its
+This is the accuracy side of every sparsity budget, measured on sampled query rows so that its
 cost is rows x T, not T x T.
 """
 

@@ -1,4 +1,5 @@
-"""Dense fp64 block-sparse attention: the executable definition of DESIGN 4.2 that the backends are tested against."""
+"""Dense fp64 block-sparse attention: the executable definition of the kernels' semantics
+(``block_sparse_attention``) that the backends are tested against."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``select_blocks``: XAttention-style block selection with top-p over the estimated attention mass (DESIGN 4.1).
+"""``select_blocks``: XAttention-style block selection with top-p over the estimated attention mass.
 
 Scoring: within each stride-S group the antidiagonal of the S x S tile of q.k products is summed (a
 matmul over stride-reshaped q and reversed k, 1/S of the dense QK^T cost); a softmax over those
@@ -107,10 +107,6 @@ class SelectionStats:
     @property
     def candidates(self) -> torch.Tensor:
         return self.ranking.candidates
-
-    def row_density(self) -> torch.Tensor:
-        """[Hq, nB] kept / candidate blocks of each row."""
-        return self.kept / self.candidates.clamp(min=1)
 
     def mean_density(self) -> torch.Tensor:
         """0-d: kept tiles / candidate tiles over all heads and rows."""

@@ -11,7 +11,7 @@ The context also carries the per-layer budgets (moved by dynamic sparsity tuning
 so an activation-checkpointing recomputation reuses exactly the same mask, collects per-layer density and
 estimated recall for logging, the density each document would have had at the base budgets (from the same
 ranking, for predicting the next batches' cost), and times the attention calls, forward and backward: they
-are free of collectives, unlike whole steps under FSDP or DDP (DESIGN.md 3).
+are free of collectives, unlike whole steps under FSDP or DDP.
 """
 
 from __future__ import annotations

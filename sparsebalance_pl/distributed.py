@@ -62,11 +62,6 @@ def gather_floats(values: Sequence[float], device: torch.device | str = "cpu", g
     return out.cpu().numpy()
 
 
-def any_rank(flag: bool, device: torch.device | str = "cpu", group=None) -> bool:
-    """Whether ``flag`` is true on any rank (the same answer on every rank)."""
-    return bool(gather_floats([float(flag)], device, group).any())
-
-
 def all_ranks(flag: bool, device: torch.device | str = "cpu", group=None) -> bool:
     """Whether ``flag`` is true on every rank (the same answer on every rank)."""
     return bool(gather_floats([float(flag)], device, group).all())

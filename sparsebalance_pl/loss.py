@@ -80,7 +80,7 @@ def chunked_cross_entropy_sum(
 
 
 def globally_normalised_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss to back-propagate, loss to report) for one micro-batch on this rank (DESIGN.md 4.6).
+    """(loss to back-propagate, loss to report) for one micro-batch on this rank.
 
     Ranks hold different numbers of loss-bearing tokens, so each rank's summed loss is divided by the global
     count of such tokens. Data-parallel gradient averaging then divides by the world size once more, which

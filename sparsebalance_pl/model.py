@@ -160,11 +160,6 @@ class ModelConfig:
             return Qwen2ForCausalLM(config)
 
 
-def count_parameters(model: torch.nn.Module) -> int:
-    """Unique parameters (tied embeddings counted once), on any device including meta."""
-    return sum(p.numel() for p in model.parameters())
-
-
 def greedy_tokens(hidden: torch.Tensor, head_weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The most likely next token at each of ``positions`` [n] of hidden states [T, H]: only those rows go
     through the LM head."""

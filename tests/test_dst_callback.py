@@ -3,7 +3,7 @@
 The toy module's one 'attention layer' keeps about tau of its blocks (the near-uniform regime) and reports
 a synthetic attention time (kept tiles x a constant), so multi-rank runs are deterministic and test the
 callback's logic rather than this shared machine's noise. Two-rank runs use DDP on the CPU in a subprocess
-(DESIGN.md 3: DDP inside pytest relaunches pytest), running this file as a script.
+(DDP inside pytest relaunches pytest itself in the children), running this file as a script.
 """
 
 from __future__ import annotations

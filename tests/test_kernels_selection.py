@@ -111,7 +111,7 @@ def test_stats_describe_the_mask():
     assert float(stats.mean_density()) == pytest.approx(float(mask.sum() / (candidates.sum() * 4)))
     assert ((stats.kept_mass > 0) & (stats.kept_mass <= 1 + 1e-5)).all()
     assert float(stats.mean_kept_mass()) >= 0.7 - 1e-5
-    assert stats.row_density().shape == (4, 19)
+    assert stats.kept.shape == (4, 19)
 
 
 @pytest.mark.parametrize("seed", range(3))

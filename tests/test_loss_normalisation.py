@@ -1,4 +1,4 @@
-"""The update of a global batch does not depend on how its documents were split across ranks (DESIGN.md 4.6).
+"""The update of a global batch does not depend on how its documents were split across ranks.
 
 Two gloo ranks on the CPU run the real FSDP2 sharding of the module; their gradients are compared with one
 process holding the whole global batch, for two different splits.

@@ -1,6 +1,6 @@
 """Predict one micro-batch's forward+backward time from its documents' lengths and attention densities.
 
-Sparsity-aware batching and dynamic sparsity tuning both decide from predicted times (DESIGN.md 4.3-4.5),
+Sparsity-aware batching and dynamic sparsity tuning both decide from predicted times,
 so the prediction has to hold on the hardware at hand. The model, for one micro-batch on one rank, all
 layers, forward and backward, plus LM head and loss::
 
@@ -265,7 +265,7 @@ class OnlineCalibration:
 
 
 class LatencyModel:
-    """Predicted forward+backward seconds of a micro-batch on one rank (contract: DESIGN.md 5).
+    """Predicted forward+backward seconds of a micro-batch on one rank (the public contract: ``sparsebalance_pl.latency.LatencyModel``).
 
     ``doc_lengths`` is a sequence of document lengths in tokens; ``density`` the kept fraction of each
     document's causal blocks, a scalar for all documents or one value per document, clipped to
@@ -409,7 +409,7 @@ class LatencyModel:
 
         ``terms`` names what ``seconds`` covers when it is not the whole forward+backward (for example
         ``("attention", "selection")`` for timings of the attention calls alone, which are free of
-        collectives under FSDP; DESIGN.md 3).
+        collectives under FSDP, where a fast rank's whole step waits for the slowest).
         """
         unknown = set(terms) - set(TERMS)
         if unknown:
@@ -519,7 +519,7 @@ class LatencyModel:
 
         GEMMs run at ``flops_per_second`` (forward, plus twice that for backward); attention and selection
         at ``attention_efficiency`` of it. Attention counts kept B x B tiles, with the diagonal and first
-        block of each document always kept (DESIGN.md 4.1); selection scores stride-level antidiagonals,
+        block of each document always kept (the selection never drops them); selection scores stride-level antidiagonals,
         about 1/stride of dense QK^T. ``observe`` corrects each term's scale from measured times.
         """
         d = cost_dims(dims)

@@ -89,11 +89,6 @@ class StepObservation:
     def measured_imbalance(self) -> float:
         return imbalance(self.measured)
 
-    @property
-    def relative_error(self) -> np.ndarray:
-        """Predicted over measured, minus one, per rank."""
-        return self.predicted / np.maximum(self.measured, 1e-12) - 1.0
-
 
 class CostModel:
     """Predicted seconds of documents and micro-batches, corrected from every measured step (module docstring).
