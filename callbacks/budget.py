@@ -25,7 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-from sparsebalance_pl.attention import LayerBudget
+from sparsebalance_pl.kernels.selection import LayerBudget
 from sparsebalance_pl.cost.latency import LatencyModel
 
 Anchor = Literal["mean", "median", "min", "max", "adaptive"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from sparsebalance_pl.attention import LayerBudget
+from sparsebalance_pl.kernels.selection import LayerBudget
 from sparsebalance_pl.callbacks.budget import (
     ANCHORS,
     Anchor,

@@ -18,10 +18,22 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from sparsebalance_pl.attention import LayerBudget
-from sparsebalance_pl.cost import TIMED_TERMS, SparsityReport
+from sparsebalance_pl.cost import TIMED_TERMS, CostModel, SparsityReport, observe_step
+from sparsebalance_pl.kernels.selection import BudgetedSelection, LayerBudget, select_with_budget
+from sparsebalance_pl.timing import AttentionTimer
 
-__all__ = ["TIMED_TERMS", "LayerBudget", "SparsityReport", "SparsityTunable", "missing_members"]
+__all__ = [
+    "TIMED_TERMS",
+    "AttentionTimer",
+    "BudgetedSelection",
+    "CostModel",
+    "LayerBudget",
+    "SparsityReport",
+    "SparsityTunable",
+    "missing_members",
+    "observe_step",
+    "select_with_budget",
+]
 
 
 @runtime_checkable

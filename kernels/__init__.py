@@ -14,6 +14,9 @@ _EXPORTS = {
     "rank_blocks": ".selection",
     "BlockRanking": ".selection",
     "SelectionStats": ".selection",
+    "LayerBudget": ".selection",
+    "select_with_budget": ".selection",
+    "BudgetedSelection": ".selection",
     "reference_block_sparse_attention": ".reference",
     "attention_recall": ".recall",
 }

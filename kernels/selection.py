@@ -39,6 +39,20 @@ from .layout import (
 _CHUNK_ELEMENTS = 1 << 24
 
 
+@dataclass
+class LayerBudget:
+    """The sparse-attention budget of one layer: top-p threshold, optional density cap per query row, and
+    an optional scale on the layer's kept tiles relative to its base budget (what dynamic sparsity tuning
+    moves: at most ``density_scale`` times the tiles the base budget keeps in this layer, the blocks of least
+    estimated mass across the layer dropped first; relative, so an error in the estimated base density
+    cannot make a rank sparser or denser than intended)."""
+
+    tau: float
+    max_density: float | None = None
+    density_scale: float | None = None
+
+
+
 @dataclass(frozen=True)
 class BlockRanking:
     """Every row's candidate key blocks ranked once: always-kept blocks first, then by estimated mass.
@@ -250,3 +264,62 @@ def select_blocks(
     ranking = rank_blocks(q, k, cu_seqlens, block_size=block_size, stride=stride, scale=scale, backend=backend)
     mask, stats = ranking.select(tau, max_density)
     return (mask, stats) if return_stats else mask
+
+
+@dataclass(frozen=True)
+class BudgetedSelection:
+    """A layer's selection under a ``LayerBudget``: the block mask, what it kept (``SelectionStats``), and each
+    document's density at the base budget [docs] (what predicts the cost of later batches)."""
+
+    mask: torch.Tensor
+    stats: SelectionStats
+    base_document_density: torch.Tensor
+
+
+def select_with_budget(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    budget: LayerBudget,
+    base: LayerBudget,
+    *,
+    block_size: int,
+    stride: int = 16,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> BudgetedSelection:
+    """``select_blocks`` under a whole ``LayerBudget``: tau, the per-row cap ``max_density``, and the layer's
+    kept tiles bounded by ``density_scale`` times what ``base`` (the configured budget) keeps; plus every
+    document's density at ``base``. One scoring serves both budgets. Arguments otherwise as ``select_blocks``.
+
+    This is what a module tuned by ``DynamicSparsityTuning`` calls in each attention layer, with that layer's
+    ``layer_budgets[i]`` and ``base_budgets[i]``: ignoring ``density_scale`` would leave the predicted balance
+    improving while the measured one does not.
+    """
+    ranking = rank_blocks(q, k, cu_seqlens, block_size=block_size, stride=stride, scale=scale, backend=backend)
+    base_kept = None if budget == base else ranking.kept_at([base.tau], base.max_density)[..., 0]
+    max_tiles = None if budget.density_scale is None else (budget.density_scale * base_kept.sum()).floor()
+    mask, stats = ranking.select(budget.tau, budget.max_density, max_tiles)
+    if base_kept is None:  # the budget is the base one (static runs, evaluation): its own counts are the base's
+        base_kept = stats.kept
+    base_density = document_density(base_kept, ranking.candidates, cu_seqlens, q.shape[0], block_size)
+    return BudgetedSelection(mask, stats, base_density)
+
+
+def document_density(
+    kept_rows: torch.Tensor, candidates: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int, block_size: int
+) -> torch.Tensor:
+    """[docs] kept / causal tiles of each document, from a selection's kept blocks per row ``kept_rows``
+    [Hq, nB] and candidate blocks per query block ``candidates`` [nB] (``BlockRanking``).
+
+    A query block shared by two documents counts for the one it starts in; exact for block-aligned documents.
+    A document starting no block (shorter than one, inside another's) is dense: it sees only forced blocks.
+    """
+    kept = kept_rows.sum(0).float()  # [nB]
+    doc_ids = token_doc_ids(cu_seqlens.to(kept.device), num_tokens)
+    block_doc = doc_ids[::block_size]
+    num_docs = len(cu_seqlens) - 1
+    kept_per_doc = kept.new_zeros(num_docs).index_add_(0, block_doc, kept)
+    covered = kept.new_zeros(num_docs).index_add_(0, block_doc, candidates.float())
+    density = kept_per_doc / (covered * kept_rows.shape[0]).clamp(min=1)
+    return torch.where(covered > 0, density.clamp(max=1.0), torch.ones_like(density))

@@ -16,8 +16,6 @@ are free of collectives, unlike whole steps under FSDP or DDP.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -26,6 +24,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl.kernels.selection import LayerBudget
+from sparsebalance_pl.timing import AttentionTimer
 
 ATTN_IMPLEMENTATION = "sparsebalance"
 AttentionBackend = Literal["dense", "sparse"]
@@ -85,19 +85,6 @@ def _is_power_of_two(n: int) -> bool:
 
 
 @dataclass
-class LayerBudget:
-    """The sparse-attention budget of one layer: top-p threshold, optional density cap per query row, and
-    an optional scale on the layer's kept tiles relative to its base budget (what dynamic sparsity tuning
-    moves: at most ``density_scale`` times the tiles the base budget keeps in this layer, the blocks of least
-    estimated mass across the layer dropped first; relative, so an error in the estimated base density
-    cannot make a rank sparser or denser than intended)."""
-
-    tau: float
-    max_density: float | None = None
-    density_scale: float | None = None
-
-
-@dataclass
 class LayerStats:
     """What one layer's selection kept, as tensors (no host sync inside the forward).
 
@@ -109,75 +96,6 @@ class LayerStats:
     estimated_recall: torch.Tensor
     base_document_density: torch.Tensor
     recall: torch.Tensor | None = None
-
-
-class AttentionTimer:
-    """Seconds spent in the attention calls of one micro-batch, forward and backward, free of collectives.
-
-    Each call is bracketed in the forward directly and in the backward by identity autograd nodes on its
-    output (backward starts) and on its inputs (backward done); autograd runs a layer's attention nodes
-    before any node created earlier in the forward. On CUDA the brackets are events on the stream, read by
-    ``seconds()`` after the step, so timing never synchronises the device inside the layers; on the CPU
-    ``perf_counter``.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._open: dict[tuple[str, int], object] = {}
-        self._cpu_seconds = 0.0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def _now(self) -> object:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def start(self, key: tuple[str, int]) -> None:
-        self._open[key] = self._now()
-
-    def stop(self, key: tuple[str, int]) -> None:
-        begun = self._open.pop(key, None)
-        if begun is None:
-            return
-        if self.cuda:
-            self._events.append((begun, self._now()))
-        else:
-            self._cpu_seconds += time.perf_counter() - begun
-
-    def seconds(self) -> float:
-        """Total so far; on CUDA waits for the last recorded event (call it after the step)."""
-        if not self._events:
-            return self._cpu_seconds
-        self._events[-1][1].synchronize()
-        return self._cpu_seconds + sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
-
-    def timed(self, layer: int, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
-        """``fn(*inputs)`` with its forward and (when inputs need gradients) its backward timed."""
-        track_backward = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-        if track_backward:
-            inputs = _BackwardMark.apply(lambda: self.stop(("backward", layer)), *inputs)
-        self.start(("forward", layer))
-        out = fn(*inputs)
-        self.stop(("forward", layer))
-        if track_backward:
-            (out,) = _BackwardMark.apply(lambda: self.start(("backward", layer)), out)
-        return out
-
-
-class _BackwardMark(torch.autograd.Function):
-    """Identity whose backward calls ``hook`` once all gradients of its outputs have arrived."""
-
-    @staticmethod
-    def forward(ctx, hook: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.hook = hook
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor) -> tuple:
-        ctx.hook()
-        return (None, *grads)
 
 
 @dataclass
@@ -233,53 +151,25 @@ def varlen_causal_attention(
 def _sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx: AttentionContext, scale: float | None
 ) -> torch.Tensor:
-    from sparsebalance_pl.kernels import block_sparse_attention, rank_blocks
+    from sparsebalance_pl.kernels import block_sparse_attention, select_with_budget
 
     cfg = ctx.config
     mask = ctx.masks.get(layer)
     if mask is None:
-        budget, base = ctx.budgets[layer], (ctx.base_budgets or ctx.budgets)[layer]
-        with torch.no_grad():
-            ranking = rank_blocks(q.detach(), k.detach(), ctx.cu_seqlens, block_size=cfg.block_size, stride=cfg.stride)
-            # The base budget's kept blocks size the tile scale and give the base densities; when the budget
-            # is the base one (static, evaluation), the selection's own counts are those.
-            base_kept = None if budget == base else ranking.kept_at([base.tau], base.max_density)[..., 0]
-            max_tiles = None if budget.density_scale is None else (budget.density_scale * base_kept.sum()).floor()
-            mask, stats = ranking.select(budget.tau, budget.max_density, max_tiles)
-            if base_kept is None:
-                base_kept = stats.kept
-        ctx.masks[layer] = mask
+        base = (ctx.base_budgets or ctx.budgets)[layer]
+        selection = select_with_budget(
+            q.detach(), k.detach(), ctx.cu_seqlens, ctx.budgets[layer], base, block_size=cfg.block_size,
+            stride=cfg.stride, scale=scale, backend=cfg.kernel_backend,
+        )
+        mask = ctx.masks[layer] = selection.mask
         ctx.stats[layer] = LayerStats(
-            density=stats.mean_density(),
-            estimated_recall=stats.mean_kept_mass(),
-            base_document_density=document_density(
-                base_kept, stats.candidates, ctx.cu_seqlens, q.shape[0], cfg.block_size
-            ),
+            density=selection.stats.mean_density(),
+            estimated_recall=selection.stats.mean_kept_mass(),
+            base_document_density=selection.base_document_density,
         )
     return block_sparse_attention(
         q, k, v, mask, ctx.cu_seqlens, block_size=cfg.block_size, scale=scale, backend=cfg.kernel_backend
     )
-
-
-def document_density(
-    kept_rows: torch.Tensor, candidates: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int, block_size: int
-) -> torch.Tensor:
-    """[docs] kept / causal tiles of each document, from a selection's kept blocks per row ``kept_rows``
-    [Hq, nB] and candidate blocks per query block ``candidates`` [nB] (``BlockRanking``).
-
-    A query block shared by two documents counts for the one it starts in; exact for block-aligned documents.
-    A document starting no block (shorter than one, inside another's) is dense: it sees only forced blocks.
-    """
-    from sparsebalance_pl.kernels.layout import token_doc_ids
-
-    kept = kept_rows.sum(0).float()  # [nB]
-    doc_ids = token_doc_ids(cu_seqlens.to(kept.device), num_tokens)
-    block_doc = doc_ids[::block_size]
-    num_docs = len(cu_seqlens) - 1
-    kept_per_doc = kept.new_zeros(num_docs).index_add_(0, block_doc, kept)
-    covered = kept.new_zeros(num_docs).index_add_(0, block_doc, candidates.float())
-    density = kept_per_doc / (covered * kept_rows.shape[0]).clamp(min=1)
-    return torch.where(covered > 0, density.clamp(max=1.0), torch.ones_like(density))
 
 
 def sparsebalance_attention(

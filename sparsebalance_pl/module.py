@@ -12,23 +12,19 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from sparsebalance_pl.attention import (
-    ATTN_IMPLEMENTATION,
-    AttentionConfig,
-    AttentionContext,
-    AttentionTimer,
-    LayerBudget,
-)
+from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, AttentionContext
 from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel, SparsityReport, observe_step
 from sparsebalance_pl.cost.profiler import latency_model_for_run
 from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.distributed import all_ranks, gather_objects
 from sparsebalance_pl.errors import ConfigError, TrainingError
 from sparsebalance_pl.evaluation import Evaluation
+from sparsebalance_pl.kernels.selection import LayerBudget
 from sparsebalance_pl.loss import globally_normalised_loss
 from sparsebalance_pl.metrics import TokenMeanLoss
 from sparsebalance_pl.model import ModelConfig, PackedCausalLM
 from sparsebalance_pl.strategy import apply_fully_shard
+from sparsebalance_pl.timing import AttentionTimer
 
 
 @dataclass

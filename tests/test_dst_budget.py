@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sparsebalance_pl.attention import LayerBudget
+from sparsebalance_pl.kernels.selection import LayerBudget
 from sparsebalance_pl.balance import imbalance
 from sparsebalance_pl.callbacks.budget import (
     adaptive_anchor,

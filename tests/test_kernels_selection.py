@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sparsebalance_pl.kernels import attention_recall, rank_blocks, select_blocks
+from sparsebalance_pl.kernels import LayerBudget, attention_recall, rank_blocks, select_blocks, select_with_budget
 from sparsebalance_pl.kernels.layout import candidate_tiles, forced_tiles, token_doc_ids
 from sparsebalance_pl.kernels.selection import estimate_block_mass
 
@@ -66,6 +66,27 @@ def test_tile_budget_drops_the_least_mass_across_rows_and_heads(seed, fraction):
     kept, dropped = mass[mask & ~forced], mass[free & ~mask]
     if kept.numel() and dropped.numel():
         assert kept.min() >= dropped.max() - 1e-6  # one threshold over the whole call, not one per row
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.0, 1.5])
+def test_budget_selection_honours_the_density_scale_and_counts_base_densities(scale):
+    q, k = qk(3, smooth=True)
+    base = LayerBudget(0.8)
+    budget = LayerBudget(0.9, None, scale)
+    chosen = select_with_budget(q, k, CU, budget, base, block_size=16, stride=4)
+    at_base = select_with_budget(q, k, CU, base, base, block_size=16, stride=4)
+    assert torch.equal(at_base.mask, select_blocks(q, k, CU, block_size=16, tau=0.8, stride=4))
+    base_tiles, kept = int(at_base.stats.kept.sum()), int(chosen.stats.kept.sum())
+    forced = int(chosen.stats.ranking.forced.sum()) * q.shape[1]  # never dropped, whatever the scale
+    bound = max(math.floor(scale * base_tiles), forced)
+    unscaled = int(select_blocks(q, k, CU, block_size=16, tau=0.9, stride=4).sum())
+    assert forced <= kept <= min(unscaled, bound) and int(chosen.mask.sum()) == kept
+    if unscaled <= bound:
+        assert kept == unscaled  # a scale that does not bind changes nothing
+    # Base densities come from the base budget whatever budget is in use, one per document.
+    assert torch.allclose(chosen.base_document_density, at_base.base_document_density)
+    assert chosen.base_document_density.shape == (len(CU) - 1,)
+    assert ((chosen.base_document_density > 0) & (chosen.base_document_density <= 1)).all()
 
 
 def test_non_contiguous_inputs_give_the_same_mask():

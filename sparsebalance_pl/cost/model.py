@@ -49,7 +49,7 @@ class SparsityReport:
         base_document_density: per document of the micro-batch, the density (mean over layers) it would have
             had at the base budgets, from the same ranking: what predicts the cost of later batches.
         attention_seconds: measured seconds of selection + attention core (``TIMED_TERMS``), forward and
-            backward, free of collectives (``sparsebalance_pl.attention.AttentionTimer``).
+            backward, free of collectives (``sparsebalance_pl.timing.AttentionTimer``).
         recall: exact recall on sampled rows (mean over layers) when the module measures it, else None.
     """
 

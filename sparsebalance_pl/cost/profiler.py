@@ -41,7 +41,8 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMS
 
 from sparsebalance_pl.cost.latency import TERMS, LatencyModel, LatencyTable, TableMeta, cost_dims
 from sparsebalance_pl.loss import chunked_cross_entropy_sum
-from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, AttentionContext, LayerBudget
+from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, AttentionContext
+from sparsebalance_pl.kernels.selection import LayerBudget
 from sparsebalance_pl.model import ModelConfig, ModelDims, PackedCausalLM
 
 log = logging.getLogger(__name__)
