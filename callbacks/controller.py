@@ -1,5 +1,9 @@
 """Dynamic sparsity tuning's decisions without Lightning: the budgets of every rank for one step.
 
+It does no harm where its predictions cannot be trusted: a step whose predicted imbalance lies within the cost
+model's own measured error keeps the base budgets (the deadband), and while that error is large (an
+uncalibrated prior, a new module) each rank moves only part of the way toward the anchor (the damping).
+
 ``DSTController.plan`` takes every rank's documents for the coming micro-batch and returns every rank's
 budgets; ``learn`` takes what the step did (the ``StepObservation`` the cost model made of it). Given the same
 inputs in the same order it decides the same on every rank. So the ``DynamicSparsityTuning`` callback needs
@@ -17,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from sparsebalance_pl.kernels.selection import LayerBudget
+from sparsebalance_pl.balance import imbalance
 from sparsebalance_pl.callbacks.budget import (
     ANCHORS,
     Anchor,
@@ -79,6 +84,16 @@ class Decision:
     predicted: list[float]
 
 
+#: The cost model error (|log(measured / predicted)|) at which DST moves ranks half way toward the anchor; the
+#: fraction falls off steeply above it and is nearly 1 below (0.99 at an error of 0.1, 0.02 uncalibrated).
+TRUSTED_ERROR = 0.3
+
+
+def confidence(error: float) -> float:
+    """The fraction of the way to the anchor a rank moves when the cost model's predictions are off by ``error``."""
+    return 1.0 / (1.0 + (error / TRUSTED_ERROR) ** 4)
+
+
 class DSTController:
     """Moves each rank's sparse-attention budget so its predicted step time approaches a common anchor.
 
@@ -127,16 +142,32 @@ class DSTController:
             for r, ls in enumerate(lengths)
         ]
         name, anchor = self._anchor(views)
+        base = [v.base for v in views]
+        timed = [cost.timed_seconds(ls, v.density, rank=r) / v.base for r, (ls, v) in enumerate(zip(lengths, views))]
+        targets = self._targets(views, anchor, max(timed))
         ranks = [
-            rank_budget(cost.for_rank(r), ls, views[r], anchor, self.p, self.base_budgets, self.shifts[r])
+            rank_budget(cost.for_rank(r), ls, views[r], targets[r], self.p, self.base_budgets, self.shifts[r])
             for r, ls in enumerate(lengths)
         ]
         self.shifts = [budget.shift for budget in ranks]
         self.budgets = [budget.budgets for budget in ranks]
-        base = [v.base for v in views]
-        moved = base if self.p <= 0 else [v.at(anchor) for v in views]
+        moved = [v.at(t) for v, t in zip(views, targets)]
         self.last = Decision(anchor, name, ranks, base, moved)
         return self.last
+
+    def _targets(self, views: Sequence[Outlook], anchor: float, timed_share: float) -> list[float]:
+        """Each rank's target time: its base time inside the deadband or with p = 0, else the anchor, damped by
+        the cost model's ``confidence``.
+
+        The deadband compares the predicted imbalance with how far the predictions may be off: the cost model's
+        error on the timed part (attention, selection), which is ``timed_share`` of a step at most.
+        """
+        base = np.array([v.base for v in views])
+        noise = self.cost_model.error * timed_share
+        if self.p <= 0 or imbalance(base) - 1.0 <= noise:
+            return base.tolist()
+        c = confidence(self.cost_model.error)
+        return (base + c * (anchor - base)).tolist()
 
     def _anchor(self, views: Sequence[Outlook]) -> tuple[str, float]:
         if self.anchor == "adaptive":

@@ -1,8 +1,9 @@
 """DynamicSparsityTuning with a second, minimal LightningModule implementing the protocol.
 
 The toy module's one 'attention layer' keeps about tau of its blocks (the near-uniform regime) and reports
-a synthetic attention time (kept tiles x a constant), so multi-rank runs are deterministic and test the
-callback's logic rather than this shared machine's noise. Two-rank runs use DDP on the CPU in a subprocess
+a synthetic attention time (what the analytic latency model predicts for that density, times the rank's
+slowdown), so multi-rank runs are deterministic and test the callback's logic rather than this shared
+machine's noise. Two-rank runs use DDP on the CPU in a subprocess
 (DDP inside pytest relaunches pytest itself in the children), running this file as a script.
 """
 
@@ -24,12 +25,18 @@ from torch.utils.data import DataLoader
 
 from sparsebalance_pl.callbacks import DynamicSparsityTuning, LayerBudget, SparsityReport, SparsityTunable
 from sparsebalance_pl.cost import CostModel, DensityEstimator, observe_step
-from sparsebalance_pl.latency import LatencyModel, kept_tiles
+from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.model import PRESETS
 
 TAU0 = 0.9
-SECONDS_PER_TILE = 2e-6
 EQUAL = [[2048, 2048], [2048, 2048]]
+
+
+def _analytic() -> LatencyModel:
+    return LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16)
+
+
+TRUTH = CostModel(_analytic())  # the toy's attention 'takes' what this predicts
 
 
 class MinimalTunable(L.LightningModule):
@@ -43,8 +50,7 @@ class MinimalTunable(L.LightningModule):
         self.slowdown = slowdown or {}
         self.base_budgets = [LayerBudget(TAU0)]
         self.layer_budgets = [LayerBudget(TAU0)]
-        self.cost_model = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16),
-                                    DensityEstimator(block_size=64))
+        self.cost_model = CostModel(_analytic(), DensityEstimator(block_size=64))
         self.history: list[tuple[int, float, float | None, float]] = []  # step, tau, cap, kept density
         self._step: tuple[list[int], SparsityReport] | None = None
 
@@ -59,11 +65,9 @@ class MinimalTunable(L.LightningModule):
         budget = self.layer_budgets[0]
         scaled = TAU0 * budget.density_scale if budget.density_scale is not None else 1.0  # base keeps tau0
         density = min(budget.tau, budget.max_density or 1.0, scaled)
-        lengths = batch["lengths"].double().numpy()
-        seconds = float(kept_tiles(lengths, density, 64).sum()) * SECONDS_PER_TILE
-        seconds *= self.slowdown.get(self.global_rank, 1.0)
-        report = SparsityReport([density], [density], [TAU0] * len(lengths), seconds)
-        self._step = (batch["lengths"].tolist(), report)
+        lengths = batch["lengths"].tolist()
+        seconds = TRUTH.timed_seconds(lengths, density) * self.slowdown.get(self.global_rank, 1.0)
+        self._step = (lengths, SparsityReport([density], [density], [TAU0] * len(lengths), seconds))
         self.history.append((self.global_step, budget.tau, budget.max_density, density))
         return ((self.weight - density) ** 2).sum()
 
@@ -136,10 +140,12 @@ def _history(out: Path) -> dict[int, list]:
 
 @pytest.mark.slow
 def test_slow_rank_gets_sparser_then_balanced_and_resumes_identically(tmp_path):
-    """A rank whose attention is 1.5x slower (imbalance 1.2), default p: its budget falls (tau by p, its cap
-    further, from the latency model), the measured imbalance drops below 1.1 within 20 steps, tau stays in
-    [tau0 - p, tau0 + p] and moves by at most p per step; a run resumed from the step-3 checkpoint chooses
-    the same budgets as the uninterrupted one."""
+    """A rank whose attention is 1.5x slower (imbalance 1.2), default p: while the cost model has not yet
+    learned the rank's speed beyond its own error, DST holds the base budgets (no harm from an uncalibrated
+    model); then the slow rank's budget falls (tau by p, its tile scale further, from the cost model), the
+    measured imbalance drops below 1.1 within 20 steps without oscillating, tau stays in [tau0 - p, tau0 + p]
+    and moves by at most p per step; a run resumed from the step-3 checkpoint chooses the same budgets as the
+    uninterrupted one."""
     p = 0.1
     first, second = tmp_path / "first", tmp_path / "resumed"
     first.mkdir(), second.mkdir()
@@ -152,7 +158,8 @@ def test_slow_rank_gets_sparser_then_balanced_and_resumes_identically(tmp_path):
     assert taus[1][-1] < TAU0 < taus[0][-1]
     density = [d for *_, d in runs[1]]  # what the toy keeps
     assert density[-1] < TAU0 - p  # in this near-uniform regime the scale, not tau, balances
-    assert all(abs(a - b) <= p + 1e-9 for a, b in zip(density, density[1:]))
+    assert all(b <= a + 1e-9 for a, b in zip(density, density[1:]))  # never oscillates
+    assert density[0] == density[1] == TAU0  # held while the prediction error exceeds the predicted imbalance
     for series in taus.values():
         assert all(TAU0 - p - 1e-9 <= t <= TAU0 + p + 1e-9 for t in series)
         assert all(abs(a - b) <= p + 1e-9 for a, b in zip(series, series[1:]))

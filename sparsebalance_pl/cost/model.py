@@ -37,6 +37,12 @@ log = logging.getLogger(__name__)
 #: The latency-model terms that ``SparsityReport.attention_seconds`` covers: block selection + attention core.
 TIMED_TERMS = ("attention", "selection")
 _TIMED = np.array([name in TIMED_TERMS for name in TERMS], dtype=np.float64)
+#: ``CostModel.error`` before any step was measured: predictions may be off by a factor e (the analytic prior
+#: was off by a median 60% and up to 10x on modules it was not made for).
+UNCALIBRATED_ERROR = 1.0
+#: One step changes no term's calibrated scale by more than this factor: a prior that is far off converges over
+#: a few steps instead of swinging every prediction (and DST's anchor) at once.
+MAX_STEP_CORRECTION = 2.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,9 @@ class StepObservation:
 class CostModel:
     """Predicted seconds of documents and micro-batches, corrected from every measured step (module docstring).
 
+    ``error`` is the typical relative error (as |log(measured / predicted)|) of its recent predictions of the
+    ranks' attention times, made before each step: what DST takes for the noise of its predictions.
+
     Args:
         latency: the latency model (``LatencyModel.from_file``, the profiler, or ``LatencyModel.analytic``).
         density: the density estimator for sparse attention; None when attention is dense.
@@ -108,6 +117,8 @@ class CostModel:
         self.density = density
         self.speed_smoothing = speed_smoothing
         self.log_speeds = np.zeros(0)
+        self.error = UNCALIBRATED_ERROR
+        self.steps_observed = 0
         self.last_step: StepObservation | None = None
 
     # ------------------------------------------------------------------------------------------ predicting
@@ -144,8 +155,9 @@ class CostModel:
         """Learn from one step's records, one per rank in rank order (the same list on every rank).
 
         Each rank's speed follows its measured over predicted attention time relative to the other ranks';
-        the latency model is calibrated on each rank's time at the nominal speed; the density estimator learns
-        each document's density at the base budget.
+        the latency model is calibrated on each rank's time at the nominal speed (each term's scale moving by
+        at most ``MAX_STEP_CORRECTION`` per step); the density estimator learns each document's density at the
+        base budget; ``error`` follows how far the predictions made before this step were off.
         """
         records = list(records)
         if len(records) != self.log_speeds.size:
@@ -157,16 +169,29 @@ class CostModel:
         predicted = nominal * np.exp(self.log_speeds)
         measured = np.array([r.report.attention_seconds for r in records], dtype=np.float64)
         valid = np.isfinite(measured) & (measured > 0) & (nominal > 0)
+        if valid.any():
+            self._track_error(np.abs(np.log(measured[valid] / predicted[valid])))
         if valid.all():
             relative = np.log(measured / nominal)
             self.log_speeds += self.speed_smoothing * ((relative - relative.mean()) - self.log_speeds)
+        calibration = self.latency.calibration
+        before = calibration.log_scales.copy()
         for rank, record in enumerate(records):
             if valid[rank]:
                 self.latency.observe(record.lengths, record.report.mean_density, measured[rank] / self.speed(rank),
                                      terms=TIMED_TERMS)
             self._observe_density(record.lengths, record.report.base_document_density)
+        bound = math.log(MAX_STEP_CORRECTION)
+        calibration.log_scales = before + np.clip(calibration.log_scales - before, -bound, bound)
         self.last_step = StepObservation(records, predicted, measured)
         return self.last_step
+
+    def _track_error(self, step_errors: np.ndarray) -> None:
+        """``error``: a running mean of the step's median |log(measured / predicted)|, the uncalibrated start
+        counting as one step, then an average over about the last five steps."""
+        self.steps_observed += 1
+        weight = max(1.0 / (self.steps_observed + 1), 0.2)
+        self.error += weight * (float(np.median(step_errors)) - self.error)
 
     def observe_densities(self, lengths: Sequence[int], densities: Sequence[float]) -> None:
         """Learn documents' densities at the base budget measured outside training (a calibration pass)."""
@@ -183,6 +208,8 @@ class CostModel:
             "latency": self.latency.state_dict(),
             "density": None if self.density is None else self.density.state_dict(),
             "log_speeds": self.log_speeds.tolist(),
+            "error": self.error,
+            "steps_observed": self.steps_observed,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -190,6 +217,8 @@ class CostModel:
         if self.density is not None and state.get("density") is not None:
             self.density.load_state_dict(state["density"])
         self.log_speeds = np.asarray(state.get("log_speeds", []), dtype=np.float64)
+        self.error = float(state.get("error", UNCALIBRATED_ERROR))
+        self.steps_observed = int(state.get("steps_observed", 0))
 
 
 def observe_step(cost_model: CostModel, lengths: Sequence[int], report: SparsityReport, group=None) -> StepObservation:

@@ -1,0 +1,87 @@
+"""DST's controller without Lightning: every rank's budgets from every rank's documents, and no harm done where
+its predictions cannot be trusted."""
+
+import numpy as np
+import pytest
+
+from sparsebalance_pl.callbacks.controller import DSTController, confidence
+from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel, SparsityReport, StepRecord
+from sparsebalance_pl.kernels import LayerBudget
+from sparsebalance_pl.model import PRESETS
+
+TAU0 = 0.9
+BASE = [LayerBudget(TAU0)] * 4
+IMBALANCED = [[8192], [2048] * 4]  # same tokens, very different attention work
+BALANCED = [[2048, 2048], [2048, 2048]]
+
+
+def _cost(error: float) -> CostModel:
+    cost = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16), DensityEstimator(block_size=64))
+    cost.error = error
+    return cost
+
+
+def _moved(decision) -> bool:
+    return any(budget.budgets != BASE for budget in decision.ranks)
+
+
+def test_calibrated_model_moves_the_straggler_down_and_the_fast_rank_up():
+    decision = DSTController(_cost(0.05), BASE, p=0.1).plan(IMBALANCED)
+    slow, fast = decision.ranks
+    assert slow.shift < 0 < fast.shift
+    assert decision.predicted[0] < decision.predicted_base[0] and decision.predicted[1] > decision.predicted_base[1]
+    assert max(decision.predicted) < max(decision.predicted_base)
+
+
+def test_no_move_within_the_prediction_error():
+    # A step whose predicted imbalance is below what the predictions may be off by keeps the base budgets.
+    assert not _moved(DSTController(_cost(0.05), BASE, p=0.1).plan(BALANCED))
+    assert not _moved(DSTController(_cost(0.9), BASE, p=0.1).plan(IMBALANCED))
+    assert _moved(DSTController(_cost(0.05), BASE, p=0.1).plan(IMBALANCED))
+
+
+def test_moves_are_damped_while_the_model_is_uncertain():
+    assert confidence(0.05) > 0.99 and confidence(0.3) == pytest.approx(0.5) and confidence(1.0) < 0.02
+    sure = DSTController(_cost(0.05), BASE, p=0.1).plan(IMBALANCED)
+    unsure = DSTController(_cost(0.25), BASE, p=0.1).plan(IMBALANCED)
+    assert _moved(unsure)
+    gap = [abs(d.predicted[0] - d.predicted_base[0]) for d in (sure, unsure)]
+    assert gap[1] < 0.8 * gap[0]
+
+
+def test_p_zero_is_the_static_baseline():
+    decision = DSTController(_cost(0.0), BASE, p=0.0).plan(IMBALANCED)
+    assert not _moved(decision) and decision.predicted == decision.predicted_base
+
+
+def test_every_rank_reaches_the_same_decision_and_state():
+    one, two = DSTController(_cost(0.05), BASE, p=0.1), DSTController(_cost(0.05), BASE, p=0.1)
+    for _ in range(3):
+        a, b = one.plan(IMBALANCED), two.plan(IMBALANCED)
+        assert a == b
+    assert one.state_dict() == two.state_dict()
+    restored = DSTController(_cost(0.05), BASE, p=0.1)
+    assert restored.load_state_dict(one.state_dict()) == one.budgets
+
+
+def test_anchor_moves_at_most_twice_per_step_from_a_wrong_prior():
+    """The analytic prior 10x too fast for a module: calibration converges over steps, and the anchor (a
+    predicted time) never jumps by more than 2x from one step to the next."""
+    cost = _cost(1.0)
+    cost.error = 1.0
+    truth = CostModel(LatencyModel(cost.latency.table.scaled([1.0, 10.0, 10.0, 1.0])))
+    controller = DSTController(cost, BASE, p=0.1)
+    anchors = []
+    for _ in range(12):
+        decision = controller.plan(IMBALANCED)
+        anchors.append(decision.anchor)
+        records = []
+        for lengths, budget in zip(IMBALANCED, decision.ranks):
+            density = float(cost.document_density(lengths).mean())
+            seconds = truth.timed_seconds(lengths, density)
+            records.append(StepRecord(lengths, SparsityReport([density] * 4, [0.9] * 4, [density] * len(lengths), seconds)))
+        controller.learn(cost.observe(records))
+    ratios = np.array(anchors[1:]) / np.array(anchors[:-1])
+    assert ratios.max() <= 2.0 + 1e-9 and ratios.min() >= 0.5 - 1e-9
+    assert anchors[-1] > 2 * anchors[0]  # and it did converge towards the slower truth
+    assert cost.error < 0.5
