@@ -1,60 +1,93 @@
-"""Command line: ``python main.py {fit,validate,test,profile} --config configs/<name>.yaml`` and ``python main.py
-export --ckpt_path <checkpoint> --out_dir <dir>``.
+"""Command line: ``python main.py {fit,validate,test,profile,export} --config configs/<name>.yaml``.
 
-``fit``, ``validate`` and ``test`` go through LightningCLI. Every setting is checked when the configuration is
-parsed and the classes are built, in the launching process and before any process group starts; a bad one
-ends the run with a single line naming the setting and what is allowed (exit code 2), not a traceback.
-Under SLURM, ``fit`` checkpoints and requeues the job on SLURM's warning signal (``SlurmRequeue``).
+All are subcommands of one LightningCLI and read the same ``model``, ``data`` and ``trainer`` sections, so
+``--config`` files stack (later ones win) and dotted overrides (``--model.attention.block_size=32``) work alike.
+Every setting is checked when the configuration is parsed and the classes are built, in the launching process
+and before any process group starts; a bad one ends the run with a single line naming the setting and what is
+allowed (exit code 2), not a traceback.
 
-``profile`` measures the latency table of this device for the configuration's model and kernels and writes
-it where the configuration's ``model.latency_table`` points (or ``--output``).
-
-``export`` writes a training checkpoint (a file, or FSDP2's sharded folder) as a Hugging Face model directory.
+``fit``, ``validate`` and ``test`` run the Trainer; under SLURM, ``fit`` checkpoints and requeues the job on
+SLURM's warning signal (``SlurmRequeue``). ``profile`` (this device's latency table) and ``export`` (a checkpoint
+as a Hugging Face directory) are the functions of ``COMMANDS``, whose signatures give their settings.
 """
 
 from __future__ import annotations
 
-import argparse
+import inspect
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import yaml
+from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.cli import LightningCLI
-
-from sparsebalance_pl import export
-from sparsebalance_pl.attention import AttentionConfig
-from sparsebalance_pl.model import ModelConfig
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from sparsebalance_pl.callbacks import DynamicSparsityTuning
+from sparsebalance_pl.cost.profiler import profile_hardware
 from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
 from sparsebalance_pl.errors import ConfigError, DataError, TrainingError
+from sparsebalance_pl.export import export_checkpoint
 from sparsebalance_pl.module import SparseQwen
 from sparsebalance_pl.slurm import SlurmRequeue
 
 
 class SparseBalanceCLI(LightningCLI):
-    """LightningCLI with the checks that need both the model and the data module."""
+    """LightningCLI with the checks that need both the model and the data module, and our own subcommands."""
+
+    result: Path | None = None
+    """What the command of ``COMMANDS`` that ran returned."""
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs) -> None:
+        """Lightning's subcommands (Trainer methods), then ours (``COMMANDS``), described by their docstrings."""
+        super()._add_subcommands(parser, **kwargs)
+        for name, command in COMMANDS.items():
+            description = inspect.getdoc(command).splitlines()[0]
+            command_parser = self.init_parser(description=description)
+            command_parser.add_function_arguments(command, skip=_SECTIONS)
+            self._add_arguments(command_parser)
+            self._subcommand_parsers[name] = command_parser
+            parser._subcommands_action.add_subcommand(name, command_parser, help=description)
+
+    def _parse_ckpt_path(self) -> None:
+        """``export`` reads its checkpoint itself; Lightning's would parse the model's settings out of it."""
+        if self.config.subcommand not in COMMANDS:
+            super()._parse_ckpt_path()
+
+    def instantiate_classes(self) -> None:
+        """Our commands get no Trainer, and the model and data module only when they take a section: ``export``
+        builds nothing from a configuration (its checkpoint holds the model)."""
+        if self.subcommand not in COMMANDS:
+            return super().instantiate_classes()
+        takes = inspect.signature(COMMANDS[self.subcommand]).parameters.keys()
+        self.config_init = self.parser.instantiate_classes(self.config) if takes & _SECTIONS else self.config
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Lightning's call a Trainer method; ours get their settings and the sections they name."""
+        if subcommand not in COMMANDS:
+            return super()._run_subcommand(subcommand)
+        command = COMMANDS[subcommand]
+        settings = self.config_init[subcommand]
+        self.result = command(**{name: settings[name] for name in inspect.signature(command).parameters})
 
     def _check_model_and_data(self) -> None:
         vocab = self.model.dims.vocab_size
         if self.datamodule.vocab_size > vocab:
             raise ConfigError(
-                f"data.tokenizer has {self.datamodule.vocab_size} tokens but model vocab_size is {vocab}; "
+                f"data.corpus.tokenizer has {self.datamodule.vocab_size} tokens but model vocab_size is {vocab}; "
                 "use a model with a vocabulary at least as large"
             )
         longest = self.model.dims.max_position_embeddings
-        if self.datamodule.max_doc_tokens > longest:
+        if self.datamodule.corpus.max_doc_tokens > longest:
             raise ConfigError(
-                f"data.max_doc_tokens={self.datamodule.max_doc_tokens} exceeds the model's "
+                f"data.corpus.max_doc_tokens={self.datamodule.corpus.max_doc_tokens} exceeds the model's "
                 f"max_position_embeddings={longest}"
             )
         data = self.datamodule
-        if data.longbench and data.eval_longbench_max_tokens + data.eval_max_new_tokens > longest:
+        if data.longbench and data.longbench_max_tokens + data.evaluation.max_new_tokens > longest:
             raise ConfigError(
-                f"data.eval_longbench_max_tokens={data.eval_longbench_max_tokens} plus data.eval_max_new_tokens="
-                f"{data.eval_max_new_tokens} exceeds the model's max_position_embeddings={longest}"
+                f"data.evaluation.longbench_max_tokens={data.longbench_max_tokens} plus data.evaluation.max_new_tokens="
+                f"{data.evaluation.max_new_tokens} exceeds the model's max_position_embeddings={longest}"
             )
         if self.trainer.world_size > 1 and self.trainer._accelerator_connector.use_distributed_sampler:
             raise ConfigError(
@@ -72,9 +105,10 @@ class SparseBalanceCLI(LightningCLI):
     def before_fit(self) -> None:
         self._check_model_and_data()
         self._connect()
-        if self.datamodule.micro_batches != self.trainer.accumulate_grad_batches:
+        if self.datamodule.batching.micro_batches != self.trainer.accumulate_grad_batches:
             raise ConfigError(
-                f"data.micro_batches={self.datamodule.micro_batches} must equal trainer.accumulate_grad_batches="
+                f"data.batching.micro_batches={self.datamodule.batching.micro_batches} must equal "
+                f"trainer.accumulate_grad_batches="
                 f"{self.trainer.accumulate_grad_batches}: the plan balances each optimiser step's micro-batches"
             )
         if SLURMEnvironment.detect() and not any(isinstance(c, SlurmRequeue) for c in self.trainer.callbacks):
@@ -88,47 +122,72 @@ class SparseBalanceCLI(LightningCLI):
         self.model.evaluations = self.datamodule.evaluations()
 
 
-def profile(argv: list[str]) -> Path:
-    """``main.py profile``: the latency table of this device for a configuration's model and kernels."""
-    parser = argparse.ArgumentParser(prog="main.py profile", description=profile.__doc__)
-    parser.add_argument("--config", required=True, help="a fit configuration (its model and data sections)")
-    parser.add_argument("--output", help="table path (default: the configuration's model.latency_table)")
-    parser.add_argument("--full", action="store_true",
-                        help="the finer full grid instead of the quick one (several times longer)")
-    parser.add_argument("--device", help="default: cuda when available, else cpu")
-    parsed = parser.parse_args(argv)
-    from sparsebalance_pl.cost.profiler import profile_hardware
+def profile(
+    model: SparseQwen,
+    data: LongContextDataModule,
+    trainer: Namespace,
+    output: str | None = None,
+    full: bool = False,
+    device: str | None = None,
+) -> Path:
+    """Measure this device's latency table for the configuration's model and kernels.
 
-    config = yaml.safe_load(Path(parsed.config).read_text())
-    module_cfg = config.get("model", {})
-    output = parsed.output or module_cfg.get("latency_table")
+    Args:
+        output: where to write the table (default: the configuration's model.latency_table)
+        full: the finer full grid instead of the quick one (several times longer)
+        device: the device to measure, e.g. cuda or cpu (default: the one trainer.accelerator trains on)
+    """
+    output = output or model.latency_table
     if output is None:
         raise ConfigError("main.py profile needs --output or model.latency_table in the configuration")
-    attention = AttentionConfig(**module_cfg.get("attention", {}))
-    device = parsed.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    bf16 = str(config.get("trainer", {}).get("precision", "32")).startswith("bf16") and device != "cpu"
+    device = device or _device_of(trainer.accelerator)
+    bf16 = str(trainer.precision).startswith("bf16") and torch.device(device).type != "cpu"
     profile_hardware(
-        ModelConfig(**module_cfg.get("model", {})).dims(),
+        model.dims,
         device=device,
         dtype=torch.bfloat16 if bf16 else torch.float32,
-        block_size=attention.block_size,
-        stride=attention.stride,
-        quick=not parsed.full,
-        max_length=int(config.get("data", {}).get("max_tokens", 8192)),
+        block_size=model.attention_config.block_size,
+        stride=model.attention_config.stride,
+        quick=not full,
+        max_length=data.batching.max_tokens,
         output=output,
     )
     print(f"latency table written to {output}")
     return Path(output)
 
 
-def main(args: list[str] | None = None) -> SparseBalanceCLI | Path | None:
-    argv = sys.argv[1:] if args is None else args
+def _device_of(accelerator: object) -> str:
+    """The device ``trainer.accelerator`` trains on, whose latencies the run's plans need."""
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    if accelerator in ("cpu", "auto"):
+        return "cpu"
+    raise ConfigError(f"main.py profile cannot tell the device of trainer.accelerator={accelerator!r}; pass --device")
+
+
+def export(ckpt_path: str, out_dir: str) -> Path:
+    """Write a training checkpoint as a Hugging Face model directory (for model.model.pretrained_path).
+
+    Args:
+        ckpt_path: a checkpoint file, or FSDP2's distributed-checkpoint folder
+        out_dir: the Hugging Face model directory to write
+    """
+    out = export_checkpoint(ckpt_path, out_dir)
+    print(f"model written to {out} (use it with model.model.pretrained_path={out})")
+    return out
+
+
+COMMANDS: dict[str, Callable[..., Path]] = {"profile": profile, "export": export}
+"""Subcommands besides Lightning's, by name; a new one is one more entry. A parameter named after a configuration
+section (``_SECTIONS``) receives it, built; the others are the command's settings (``--name``), documented in its
+docstring, whose first line is the command's help."""
+
+_SECTIONS = {"model", "data", "trainer"}
+
+
+def main(args: list[str] | None = None) -> SparseBalanceCLI | Path:
     try:
-        if argv[:1] == ["profile"]:
-            return profile(argv[1:])
-        if argv[:1] == ["export"]:
-            return export.main(argv[1:])
-        return SparseBalanceCLI(
+        cli = SparseBalanceCLI(
             SparseQwen,
             LongContextDataModule,
             trainer_defaults={"use_distributed_sampler": False},
@@ -141,6 +200,7 @@ def main(args: list[str] | None = None) -> SparseBalanceCLI | Path | None:
             raise
         print(f"error: {_last_line(cause)}", file=sys.stderr)
         sys.exit(2)
+    return cli.result if cli.subcommand in COMMANDS else cli
 
 
 def _last_line(err: BaseException) -> str:

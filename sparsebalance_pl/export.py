@@ -8,7 +8,6 @@ transformers directly (its attention implementation is set to ``sdpa``).
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -72,13 +71,3 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     model.save_pretrained(out)
     return out
 
-
-def main(argv: list[str]) -> Path:
-    """``main.py export``: a training checkpoint as a Hugging Face directory for ``model.pretrained_path``."""
-    parser = argparse.ArgumentParser(prog="main.py export", description=main.__doc__)
-    parser.add_argument("--ckpt_path", required=True, help="a checkpoint file or distributed-checkpoint folder")
-    parser.add_argument("--out_dir", required=True, help="the Hugging Face model directory to write")
-    parsed = parser.parse_args(argv)
-    out = export_checkpoint(parsed.ckpt_path, parsed.out_dir)
-    print(f"model written to {out} (use it with model.model.pretrained_path={out})")
-    return out

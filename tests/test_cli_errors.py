@@ -23,8 +23,8 @@ def _error_of(capsys, *extra: str) -> str:
         (["--model.attention.tau=1.5"], ["attention.tau", "(0, 1]"]),
         (["--model.attention.tau=0"], ["attention.tau", "(0, 1]"]),
         (["--model.attention.block_size=48"], ["attention.block_size", "power of two"]),
-        (["--data.max_tokens=1024", "--data.max_doc_tokens=4096"], ["data.max_tokens", "data.max_doc_tokens"]),
-        (["--data.source=folder", "--data.text_dir=/nonexistent/folder"], ["data.text_dir", "does not exist"]),
+        (["--data.batching.max_tokens=1024", "--data.corpus.max_doc_tokens=4096"], ["data.batching.max_tokens", "data.corpus.max_doc_tokens"]),
+        (["--data.corpus.source=folder", "--data.corpus.text_dir=/nonexistent/folder"], ["data.corpus.text_dir", "does not exist"]),
         (["--model.optim.lrr=0.1"], ["lrr"]),
         (["--trainer.not_a_setting=1"], ["not_a_setting"]),
     ],
@@ -39,8 +39,8 @@ def test_bad_setting_is_named(capsys, monkeypatch, tmp_path, args, expected):
 def test_empty_data_folder_is_named(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(_repo_root())
     (tmp_path / "notes.md").write_text("not a corpus file")
-    err = _error_of(capsys, "--data.source=folder", f"--data.text_dir={tmp_path}")
-    assert "data.text_dir" in err and ".txt or .jsonl" in err
+    err = _error_of(capsys, "--data.corpus.source=folder", f"--data.corpus.text_dir={tmp_path}")
+    assert "data.corpus.text_dir" in err and ".txt or .jsonl" in err
 
 
 def _repo_root():

@@ -1,14 +1,18 @@
-"""`python main.py profile` writes a latency table that fits the configuration's model."""
+"""`python main.py profile` writes a latency table that fits the configuration's model, configured like `fit`."""
 
 from pathlib import Path
 
 import pytest
+import torch
 
+from sparsebalance_pl import cli
 from sparsebalance_pl.cli import main
 from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.model import PRESETS
 
-DEMO = str(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml")
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+DEMO = str(CONFIGS / "demo.yaml")
+SHORT = ["--data.batching.max_tokens=1024", "--data.corpus.max_doc_tokens=1024"]  # a quick grid of seconds
 
 
 def test_profile_writes_a_table_for_the_configured_model(tmp_path):
@@ -17,8 +21,53 @@ def test_profile_writes_a_table_for_the_configured_model(tmp_path):
     assert model.predict([4096], 0.5) > model.predict([1024], 0.5) > 0
 
 
+def test_profile_stacks_configs_and_overrides_like_fit(tmp_path):
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("model:\n  attention:\n    block_size: 16\n    stride: 8\n")
+    out = main([
+        "profile", "--config", DEMO, "--config", str(CONFIGS / "sharp.yaml"), "--config", str(overlay),
+        "--model.attention.block_size=32", *SHORT, "--output", str(tmp_path / "table.json"),
+    ])
+    model = LatencyModel.from_file(out, PRESETS["demo"], block_size=32, stride=8)  # the override beats the overlay
+    assert model.table.meta.block_size == 32 and max(model.table.lengths) == 1024
+
+
+@pytest.mark.parametrize(
+    "trainer, device, dtype",
+    [
+        (["--trainer.accelerator=gpu", "--trainer.precision=bf16-mixed"], "cuda", torch.bfloat16),
+        (["--trainer.accelerator=cpu", "--trainer.precision=bf16-mixed"], "cpu", torch.float32),
+        (["--trainer.accelerator=gpu", "--trainer.precision=32-true", "--device=cpu"], "cpu", torch.float32),
+    ],
+)
+def test_profile_measures_where_and_how_the_trainer_trains(monkeypatch, tmp_path, trainer, device, dtype):
+    seen = {}
+    monkeypatch.setattr(cli, "profile_hardware", lambda dims, **settings: seen.update(settings, dims=dims))
+    main(["profile", "--config", DEMO, *trainer, *SHORT, "--output", str(tmp_path / "table.json")])
+    assert (seen["device"], seen["dtype"], seen["max_length"]) == (device, dtype, 1024)
+    assert seen["dims"] == PRESETS["demo"] and seen["quick"]
+
+
 def test_profile_needs_somewhere_to_write(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["profile", "--config", DEMO])
     assert exit_info.value.code == 2
     assert "--output or model.latency_table" in capsys.readouterr().err
+
+
+def test_profile_reports_a_bad_setting_in_one_line(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["profile", "--config", DEMO, "--model.attention.block_size=48", "--output", str(tmp_path / "t.json")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "attention.block_size" in err and "Traceback" not in err
+
+
+def test_help_lists_profile_and_export_and_their_settings(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "profile" in out and "latency table" in out and "export" in out and "Hugging Face" in out
+    with pytest.raises(SystemExit):
+        main(["profile", "--help"])
+    out = capsys.readouterr().out
+    assert "--output" in out and "--full" in out and "--device" in out and "model.latency_table" in out

@@ -1,6 +1,8 @@
 """A training checkpoint (single file or FSDP2's distributed-checkpoint folder) exported as a Hugging Face
 directory gives the same model, loadable through ``model.pretrained_path`` and by transformers itself."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.distributed import checkpoint as dcp
@@ -13,6 +15,7 @@ from sparsebalance_pl.export import export_checkpoint
 from sparsebalance_pl.model import ModelConfig
 from sparsebalance_pl.module import SparseQwen
 
+DEMO = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 TINY = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
 
 
@@ -78,14 +81,17 @@ def test_bad_checkpoint_paths_are_reported(tmp_path):
         export_checkpoint(tmp_path / "other.ckpt", tmp_path / "hf")
 
 
-def test_main_py_export_writes_a_loadable_directory(tmp_path, capsys):
+@pytest.mark.parametrize("config", [[], ["--config", str(DEMO)]], ids=["no config", "with config"])
+def test_main_py_export_writes_a_loadable_directory(tmp_path, capsys, config):
     module = _trained_like_module()
     _save_single_file(module, tmp_path / "last.ckpt")
-    out = cli.main(["export", "--ckpt_path", str(tmp_path / "last.ckpt"), "--out_dir", str(tmp_path / "hf")])
+    out = cli.main(["export", *config, "--ckpt_path", str(tmp_path / "last.ckpt"), "--out_dir", str(tmp_path / "hf")])
     assert Qwen2ForCausalLM.from_pretrained(out, local_files_only=True).config.hidden_size == 64
+    assert f"model written to {out}" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:  # a bad path is one line and exit code 2, like any bad setting
-        cli.main(["export", "--ckpt_path", str(tmp_path / "missing.ckpt"), "--out_dir", str(tmp_path / "x")])
-    assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
+        cli.main(["export", *config, "--ckpt_path", str(tmp_path / "missing.ckpt"), "--out_dir", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "does not exist" in err and "Traceback" not in err
 
 
 def test_export_needs_no_longer_the_directory_the_run_started_from(tmp_path):
