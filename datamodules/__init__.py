@@ -1,29 +1,22 @@
 """Data: litdata corpora, packing and sparsity-aware batching (SAB)."""
 
-from sparsebalance_pl.datamodules.datamodule import (
-    BatchingConfig,
-    CorpusConfig,
-    EvaluationConfig,
-    LongContextDataModule,
-)
-from sparsebalance_pl.cost.density import DensityEstimator
+from sparsebalance_pl.datamodules.datamodule import CorpusConfig, EvaluationConfig, LongContextDataModule, PlanItems
 from sparsebalance_pl.datamodules.partition import CapacityError, karmarkar_karp, partition
-from sparsebalance_pl.datamodules.planner import (
-    GlobalBatch,
-    PlannerConfig,
-    Segment,
-    plan_epoch,
-)
+from sparsebalance_pl.datamodules.planner import GlobalBatch, PlannerConfig, Segment, plan_epoch
+from sparsebalance_pl.datamodules.sampler import BatchingConfig, PaddingItem, SparsityAwareSampler
 
 __all__ = [
     "BatchingConfig",
+    "CapacityError",
     "CorpusConfig",
     "EvaluationConfig",
-    "CapacityError",
     "GlobalBatch",
     "LongContextDataModule",
+    "PaddingItem",
+    "PlanItems",
     "PlannerConfig",
     "Segment",
+    "SparsityAwareSampler",
     "karmarkar_karp",
     "partition",
     "plan_epoch",

@@ -16,14 +16,12 @@ from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, 
 from sparsebalance_pl.datamodules.eval_tasks import TASKS, EvalConfig, make_eval_samples
 from sparsebalance_pl.datamodules.longbench import cell_names, collate_prompts, make_prompts, read_longbench
 from sparsebalance_pl.datamodules.packing import collate_answers, collate_packed, first_fit
-from sparsebalance_pl.datamodules.planner import PlannerConfig
 from sparsebalance_pl.datamodules.sampler import (
-    EpochPlan,
+    BatchingConfig,
     PaddingItem,
     PlannedBatchSampler,
+    SparsityAwareSampler,
     first_fit_plan,
-    plan_efficiency,
-    sparsity_aware_plan,
 )
 from sparsebalance_pl.datamodules.synthetic import LengthPrior
 from sparsebalance_pl.datamodules.tokenizer import load_tokenizer
@@ -129,45 +127,6 @@ class CorpusConfig:
 
 
 @dataclass
-class BatchingConfig:
-    """How training documents become per-rank micro-batches.
-
-    Args:
-        method: ``sab`` (sparsity-aware: micro-batches of equal predicted time) or ``first_fit`` (the token-count
-            baseline).
-        max_tokens: most tokens in one micro-batch on one rank (memory; at least ``corpus.max_doc_tokens``).
-        tokens_per_rank: with ``sab``, the token budget of a global batch per rank (default ``max_tokens``).
-            Smaller budgets leave headroom up to ``max_tokens`` but cut smaller global batches, where the
-            costliest single document caps balance more often.
-        defer_window: with ``sab``, the most steps an outlier document may be deferred (0: never), which lets
-            balance pass the single-step cap set by the costliest document.
-        micro_batches: micro-batches per rank and optimiser step; must equal ``trainer.accumulate_grad_batches``.
-        num_workers: dataloader worker processes per rank.
-    """
-
-    method: Literal["sab", "first_fit"] = "sab"
-    max_tokens: int = 4096
-    tokens_per_rank: int | None = None
-    defer_window: int = 0
-    micro_batches: int = 1
-    num_workers: int = 0
-
-    def __post_init__(self) -> None:
-        if self.method not in ("sab", "first_fit"):
-            raise ConfigError(f"data.batching.method={self.method!r} is unknown; allowed: 'sab', 'first_fit'")
-        if self.defer_window < 0 or self.micro_batches < 1:
-            raise ConfigError(
-                f"data.batching.defer_window={self.defer_window} must be >= 0 and data.batching.micro_batches="
-                f"{self.micro_batches} >= 1"
-            )
-
-    @property
-    def rank_budget(self) -> int:
-        """Tokens per rank in a global batch's budget: ``tokens_per_rank``, or ``max_tokens`` when unset."""
-        return self.tokens_per_rank or self.max_tokens
-
-
-@dataclass
 class EvaluationConfig:
     """What ``test`` scores (``sparsebalance_pl.evaluation``).
 
@@ -264,10 +223,8 @@ class LongContextDataModule(L.LightningDataModule):
             )
         self.longbench = read_longbench(evaluation.longbench) if evaluation.longbench else []
         self.longbench_cells = cell_names(self.longbench)[0] if self.longbench else []
-        self.train_sampler: PlannedBatchSampler | None = None
-        self.planned_efficiency: dict[int, float] = {}
+        self.train_sampler: SparsityAwareSampler | None = None
         self._resume: dict | None = None
-        self.plan_costs: tuple[int, np.ndarray] | None = None  # (epoch, per-document costs it was planned with)
         self.cost_model: CostModel | None = None
 
     def connect(self, cost_model: CostModel) -> None:
@@ -296,38 +253,6 @@ class LongContextDataModule(L.LightningDataModule):
         trainer = self.trainer
         return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
 
-    def _document_costs(self, lengths: np.ndarray) -> np.ndarray:
-        costs = lengths if self.cost_model is None else self.cost_model.document_costs(lengths)
-        return np.asarray(costs, dtype=np.float64)
-
-    def _train_plan(self, lengths: np.ndarray, epoch: int, costs: np.ndarray | None = None) -> EpochPlan:
-        """The epoch's plan from each document's predicted cost, computed now unless given (a resumed run
-        replans with the costs its first run planned with: the latency model and density estimates have
-        learned since)."""
-        num_ranks, _ = self._ranks()
-        costs = self._document_costs(lengths) if costs is None else np.asarray(costs, dtype=np.float64)
-        self.plan_costs = (epoch, costs)
-        if self.batching.method == "first_fit":
-            plan = first_fit_plan(
-                lengths, costs, max_tokens=self.batching.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=epoch,
-                shuffle=True,
-            )
-        else:
-            config = PlannerConfig(
-                world_size=num_ranks,
-                tokens_per_rank=self.batching.rank_budget,
-                capacity=self.batching.max_tokens,
-                micro_batches=self.batching.micro_batches,
-                defer_window=self.batching.defer_window,
-                seed=self.seed,
-            )
-            cost_of_length = dict(zip(lengths.tolist(), costs.tolist()))  # costs depend on length alone
-            plan = sparsity_aware_plan(
-                lengths, lambda ls: np.array([cost_of_length[int(n)] for n in ls]), config, epoch
-            )
-        self.planned_efficiency[epoch] = plan_efficiency(plan)
-        return plan
-
     def _check_ranks_agree(self, lengths: np.ndarray) -> None:
         """Stop when ranks would plan from different data or settings: their plans would diverge and the
         collectives hang."""
@@ -346,12 +271,9 @@ class LongContextDataModule(L.LightningDataModule):
             self._check_ranks_agree(lengths)
             resume = self._resume or {"epoch": 0, "batches_consumed": 0}
             self._resume = None
-            saved_costs = {resume["epoch"]: resume["plan_costs"]} if "plan_costs" in resume else {}
-            sampler = PlannedBatchSampler(
-                lambda epoch: self._train_plan(lengths, epoch, saved_costs.pop(epoch, None)),
-                rank=rank,
-                epoch=resume["epoch"],
-                skip=resume["batches_consumed"],
+            sampler = SparsityAwareSampler(
+                lengths, self.batching, cost_model=self.cost_model, seed=self.seed, num_replicas=num_ranks, rank=rank,
+                epoch=resume["epoch"], skip=resume["batches_consumed"], planned_costs=resume.get("plan_costs"),
             )
             self.train_sampler = sampler
         else:
@@ -445,8 +367,9 @@ class LongContextDataModule(L.LightningDataModule):
             "epoch": trainer.current_epoch,
             "batches_consumed": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
         }
-        if self.plan_costs is not None and self.plan_costs[0] == trainer.current_epoch:
-            state["plan_costs"] = self.plan_costs[1].tolist()
+        sampler = self.train_sampler
+        if sampler is not None and sampler.plan_costs is not None and sampler.plan_costs[0] == trainer.current_epoch:
+            state["plan_costs"] = sampler.plan_costs[1].tolist()
         return state
 
     def load_state_dict(self, state: dict) -> None:

@@ -1,23 +1,68 @@
-"""A batch sampler that hands each rank its micro-batches of a plan every rank computes alike.
+"""Batch samplers that hand each rank its micro-batches of a plan every rank computes alike.
 
-Lightning's distributed sampler is switched off (``use_distributed_sampler=False``): every rank computes the
-same epoch plan from (seed, epoch, document lengths, predicted costs) with no communication, and takes its
-own column of it. The plan has the same number of micro-batches on every rank, so collectives never wait on
-a missing rank; a rank with nothing left in a step gets a ``PaddingItem`` that bears no loss.
+Lightning's distributed sampler is switched off (``Trainer(use_distributed_sampler=False)``): every rank
+computes the same epoch plan from (seed, epoch, document lengths, predicted costs) with no communication, and
+takes its own column of it. The plan has the same number of micro-batches on every rank, so collectives never
+wait on a missing rank; a rank with nothing left in a step gets a ``PaddingItem`` that bears no loss.
+``SparsityAwareSampler`` is the public one, for any map-style dataset whose documents' lengths are known.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 from torch.utils.data import Sampler
 
 from sparsebalance_pl.balance import balance_efficiency, imbalance
 from sparsebalance_pl.datamodules.packing import first_fit
+from sparsebalance_pl.cost import CostModel
 from sparsebalance_pl.datamodules.planner import CostFn, PlannerConfig, plan_epoch
+from sparsebalance_pl.distributed import rank as process_rank
+from sparsebalance_pl.distributed import world_size
+from sparsebalance_pl.errors import ConfigError
+
+
+@dataclass
+class BatchingConfig:
+    """How training documents become per-rank micro-batches.
+
+    Args:
+        method: ``sab`` (sparsity-aware: micro-batches of equal predicted time) or ``first_fit`` (the token-count
+            baseline).
+        max_tokens: most tokens in one micro-batch on one rank (memory; at least ``corpus.max_doc_tokens``).
+        tokens_per_rank: with ``sab``, the token budget of a global batch per rank (default ``max_tokens``).
+            Smaller budgets leave headroom up to ``max_tokens`` but cut smaller global batches, where the
+            costliest single document caps balance more often.
+        defer_window: with ``sab``, the most steps an outlier document may be deferred (0: never), which lets
+            balance pass the single-step cap set by the costliest document.
+        micro_batches: micro-batches per rank and optimiser step; must equal ``trainer.accumulate_grad_batches``.
+        num_workers: dataloader worker processes per rank.
+    """
+
+    method: Literal["sab", "first_fit"] = "sab"
+    max_tokens: int = 4096
+    tokens_per_rank: int | None = None
+    defer_window: int = 0
+    micro_batches: int = 1
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in ("sab", "first_fit"):
+            raise ConfigError(f"data.batching.method={self.method!r} is unknown; allowed: 'sab', 'first_fit'")
+        if self.defer_window < 0 or self.micro_batches < 1:
+            raise ConfigError(
+                f"data.batching.defer_window={self.defer_window} must be >= 0 and data.batching.micro_batches="
+                f"{self.micro_batches} >= 1"
+            )
+
+    @property
+    def rank_budget(self) -> int:
+        """Tokens per rank in a global batch's budget: ``tokens_per_rank``, or ``max_tokens`` when unset."""
+        return self.tokens_per_rank or self.max_tokens
+
 
 
 class PaddingItem(NamedTuple):
@@ -123,3 +168,81 @@ class PlannedBatchSampler(Sampler[list]):
 
     def __len__(self) -> int:
         return sum(len(step.micro_batches[self.rank]) for step in self.plan())
+
+
+class SparsityAwareSampler(PlannedBatchSampler):
+    """Sparsity-aware batching for any map-style dataset of documents whose lengths are known.
+
+    Each epoch, documents are shuffled by (seed, epoch), cut into global batches and partitioned into
+    ``num_replicas * batching.micro_batches`` micro-batches of equal predicted time under the token capacity
+    ``batching.max_tokens`` (``batching.method="first_fit"``: the token-count baseline). Predicted times come
+    from ``cost_model.document_costs`` (token counts without one). Every rank builds the sampler with the same
+    lengths and settings and iterates its own micro-batches: lists of document indices, where a rank with
+    nothing left in a step gets one ``PaddingItem(index)`` (fetch ``dataset[item.index]`` and give it no loss;
+    ``PlanItems`` does this for dict samples).
+
+    Lightning wiring: ``Trainer(use_distributed_sampler=False)``, and in ``train_dataloader()`` (after the
+    processes started, so the rank is known) ``DataLoader(dataset, batch_sampler=SparsityAwareSampler(...),
+    collate_fn=...)``; with gradient accumulation, ``batching.micro_batches`` must equal
+    ``accumulate_grad_batches``. Resume: build it with the ``epoch`` and the micro-batches this rank consumed
+    in it (``skip``), and with ``planned_costs``, the costs that epoch was planned with (``plan_costs``): the
+    cost model has learned since, and the rest of the epoch must be the same plan.
+
+    Args:
+        lengths: tokens of each document, by dataset index.
+        batching: how documents are packed and balanced (``BatchingConfig``).
+        cost_model: the run's cost model, read when an epoch is planned.
+        seed: seed of the per-epoch shuffling.
+        num_replicas, rank: data-parallel ranks and this rank (default: from ``torch.distributed``).
+    """
+
+    def __init__(
+        self,
+        lengths,
+        batching: BatchingConfig,
+        *,
+        cost_model: CostModel | None = None,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        epoch: int = 0,
+        skip: int = 0,
+        planned_costs=None,
+    ) -> None:
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.batching, self.cost_model, self.seed = batching, cost_model, seed
+        self.num_replicas = world_size() if num_replicas is None else num_replicas
+        rank = process_rank() if rank is None else rank
+        if not 0 <= rank < self.num_replicas:
+            raise ConfigError(f"rank={rank} must lie in [0, num_replicas={self.num_replicas})")
+        self.plan_costs: tuple[int, np.ndarray] | None = None  # (epoch, per-document costs it was planned with)
+        self.planned_efficiency: dict[int, float] = {}
+        self._saved_costs = {} if planned_costs is None else {epoch: np.asarray(planned_costs, dtype=np.float64)}
+        super().__init__(self._plan_epoch, rank=rank, epoch=epoch, skip=skip)
+
+    def document_costs(self) -> np.ndarray:
+        lengths = self.lengths.astype(np.float64)
+        return lengths if self.cost_model is None else self.cost_model.document_costs(lengths)
+
+    def _plan_epoch(self, epoch: int) -> EpochPlan:
+        costs = self._saved_costs.pop(epoch, None)
+        costs = self.document_costs() if costs is None else costs
+        self.plan_costs = (epoch, costs)
+        if self.batching.method == "first_fit":
+            plan = first_fit_plan(self.lengths, costs, max_tokens=self.batching.max_tokens,
+                                  num_ranks=self.num_replicas, seed=self.seed, epoch=epoch, shuffle=True)
+        else:
+            config = PlannerConfig(
+                world_size=self.num_replicas,
+                tokens_per_rank=self.batching.rank_budget,
+                capacity=self.batching.max_tokens,
+                micro_batches=self.batching.micro_batches,
+                defer_window=self.batching.defer_window,
+                seed=self.seed,
+            )
+            cost_of_length = dict(zip(self.lengths.tolist(), costs.tolist()))  # costs depend on length alone
+            plan = sparsity_aware_plan(
+                self.lengths, lambda ls: np.array([cost_of_length[int(n)] for n in ls]), config, epoch
+            )
+        self.planned_efficiency[epoch] = plan_efficiency(plan)
+        return plan

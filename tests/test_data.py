@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
-from sparsebalance_pl.datamodules.datamodule import BatchingConfig, CorpusConfig, LongContextDataModule, PlanItems
+from sparsebalance_pl.datamodules import BatchingConfig, CorpusConfig, LongContextDataModule, PlanItems
 from sparsebalance_pl.datamodules.packing import collate_packed, first_fit
 from sparsebalance_pl.datamodules.planner import PlannerConfig
 from sparsebalance_pl.datamodules.sampler import (
@@ -277,5 +277,5 @@ def test_fresh_fit_calibrates_the_density_estimate_before_the_first_plan(tmp_pat
     with caplog.at_level(logging.INFO):
         trainer.fit(module, datamodule=dm)
     assert module.cost_model.density.observed and f"calibrated on {len(lengths)} documents" in caplog.text
-    epoch, planned = dm.plan_costs
+    epoch, planned = dm.train_sampler.plan_costs
     assert epoch == 0 and not np.allclose(planned, prior_costs)

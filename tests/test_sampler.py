@@ -1,0 +1,58 @@
+"""SparsityAwareSampler: sparsity-aware batching over any map-style dataset whose document lengths are known."""
+
+import numpy as np
+import pytest
+
+from sparsebalance_pl.balance import balance_efficiency
+from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel
+from sparsebalance_pl.datamodules import BatchingConfig, PaddingItem, SparsityAwareSampler
+from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl.model import PRESETS
+
+LENGTHS = np.minimum(np.random.default_rng(0).lognormal(6.5, 1.2, 400).astype(np.int64) + 16, 4096)
+
+
+def _cost() -> CostModel:
+    latency = LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16)
+    return CostModel(latency, DensityEstimator(block_size=64))
+
+
+def _samplers(method: str = "sab", ranks: int = 4, **kwargs) -> list[SparsityAwareSampler]:
+    batching = BatchingConfig(method=method, max_tokens=4096, defer_window=kwargs.pop("defer_window", 4))
+    return [SparsityAwareSampler(LENGTHS, batching, cost_model=_cost(), seed=3, num_replicas=ranks, rank=r, **kwargs)
+            for r in range(ranks)]
+
+
+def test_ranks_see_every_document_once_within_the_capacity():
+    samplers = _samplers()
+    per_rank = [list(s) for s in samplers]
+    assert len({len(batches) for batches in per_rank}) == 1  # the same number of micro-batches on every rank
+    seen = [i for batches in per_rank for batch in batches for i in batch if not isinstance(i, PaddingItem)]
+    assert sorted(seen) == list(range(len(LENGTHS)))
+    assert all(sum(LENGTHS[i if isinstance(i, int) else i.index] for i in b) <= 4096 for r in per_rank for b in r)
+    assert samplers[0].plan_costs[0] == 0 and samplers[0].planned_efficiency[0] > 0.9
+
+
+def test_balances_predicted_cost_better_than_first_fit():
+    sab, first_fit = _samplers()[0], _samplers("first_fit")[0]
+    efficiency = {name: balance_efficiency(step.costs for step in s.plan()) for name, s in
+                  (("sab", sab), ("first_fit", first_fit))}
+    assert efficiency["sab"] > efficiency["first_fit"] + 0.05, efficiency
+
+
+def test_resume_continues_the_same_plan_with_the_costs_it_was_planned_with():
+    first = _samplers()[1]
+    batches = list(first)
+    epoch, costs = first.plan_costs
+    changed = _cost()
+    changed.density.observe([4096], [0.05])  # learned since: planning again from it would change the plan
+    resumed = SparsityAwareSampler(LENGTHS, first.batching, cost_model=changed, seed=3, num_replicas=4, rank=1,
+                                   epoch=epoch, skip=5, planned_costs=costs)
+    assert list(resumed) == batches[5:]
+    resumed.set_epoch(1)  # the next epoch is planned from the cost model as it is now
+    assert not np.allclose(resumed.plan_costs[1] if resumed.plan() else None, costs)
+
+
+def test_bad_rank_is_named():
+    with pytest.raises(ConfigError, match="rank=4 must lie in"):
+        SparsityAwareSampler(LENGTHS, BatchingConfig(), num_replicas=4, rank=4)
