@@ -11,6 +11,10 @@ covers the other ranks waiting while rank 0 builds the dataset in ``prepare_data
 that times out or loses a peer raises on the waiting rank, and the run ends with an error naming that rank and
 the global step. Under NCCL the process group's watchdog ends a timed-out process itself, naming the rank and
 the collective.
+
+Checkpoints are written beside their path and moved there once every rank has written its part, and a
+damaged one is refused with a message naming a complete one (``sparsebalance_pl.checkpoints``): a rank killed
+while ``last.ckpt`` is written leaves the previous ``last.ckpt`` whole.
 """
 
 from __future__ import annotations
@@ -18,11 +22,18 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from pathlib import Path
+from typing import Any
+
 import torch
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from sparsebalance_pl import checkpoints
 from sparsebalance_pl.distributed import is_collective_failure
+from sparsebalance_pl.errors import TrainingError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +49,43 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().setup_environment()
         if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             _share_cores(self.num_processes)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Write to ``<path>.partial`` and let rank 0 move it to ``path`` only after every rank has written its
+        part, so that a kill during the save never leaves a partial checkpoint under the name."""
+        path = Path(self.broadcast(filepath))
+        checkpoints.check_replaceable(path)
+        staging = checkpoints.staging_path(path)
+        if self.is_global_zero:
+            checkpoints.remove(staging)  # left by a save of this name that was cut short
+        self.barrier("checkpoint_staging")
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        self.barrier("checkpoint_written")  # DCP's shards and .metadata, then rank 0's meta.pt
+        if self.is_global_zero:
+            checkpoints.install(staging, path)
+        self.barrier("checkpoint_installed")
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Stop every rank with one message when the checkpoint is damaged, or missing after a save cut short,
+        instead of loading part of it; otherwise load it as Lightning does."""
+        path = Path(self.broadcast(checkpoint_path))
+        problem = self.broadcast(checkpoints.problem(path) if self.is_global_zero else None)
+        if problem is not None:
+            raise TrainingError(problem)
+        left = checkpoints.leftovers(path)
+        if left:
+            rank_zero_warn(
+                f"{', '.join(str(p) for p in left)}: left by a save of {path} that was cut short, ignored (the "
+                f"next save of {path.name} deletes it); loading the complete {path}"
+            )
+        return super().load_checkpoint(path, weights_only)
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Rename before deleting, so that a removal cut short leaves no damaged checkpoint under the name."""
+        if self.is_global_zero:
+            checkpoints.remove(Path(filepath))
 
     def on_exception(self, exception: BaseException) -> None:
         """Say which rank and step a failed collective belongs to, and stop the launched ranks.

@@ -2,7 +2,11 @@
 tests."""
 
 import hashlib
+import io
+import os
+import signal
 import time
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -64,3 +68,31 @@ class RecordBatches(Callback):
         digest = hashlib.sha1(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()
         with open(f"{self.path}.{trainer.global_rank}", "a") as f:
             f.write(f"{trainer.global_step} {digest}\n")
+
+
+class KillWhileSaving(Callback):
+    """SIGKILLs rank 0 half-way through writing ``meta.pt`` of the checkpoint saved at global step ``step``, the
+    last file of an FSDP2 checkpoint: every rank's shards and DCP's ``.metadata`` are on disk by then, so what
+    the kill leaves looks nearly whole."""
+
+    def __init__(self, step: int = 4) -> None:
+        self.step = step
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if trainer.is_global_zero and trainer.global_step == self.step:
+            torch.save = _dying_on_meta(torch.save)
+
+
+def _dying_on_meta(save):
+    """``torch.save`` that writes half of ``meta.pt`` and then kills this process."""
+
+    def half_save(obj, f, *args, **kwargs):
+        if not isinstance(f, (str, os.PathLike)) or Path(f).name != "meta.pt":
+            return save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        save(obj, buffer, *args, **kwargs)
+        with open(f, "wb") as out:
+            out.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return half_save
