@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from sparsebalance_pl.balance import balance_efficiency, imbalance
 from sparsebalance_pl.callbacks.budget import Anchor
-from sparsebalance_pl.callbacks.controller import DSTController, check_settings
+from sparsebalance_pl.callbacks.controller import DSTController, check_settings, confidence
 from sparsebalance_pl.callbacks.protocol import SparsityTunable, missing_members
 from sparsebalance_pl.cost import CostModel, StepObservation
 from sparsebalance_pl.distributed import gather_objects
@@ -41,7 +41,9 @@ class DynamicSparsityTuning(Callback):
         min_density: the lowest density a straggler aims at, in [0, 1].
         recall_tolerance: the adaptive anchor's allowance for predicted loss of mean recall.
 
-    Logged per step (the same on every rank): ``dst/anchor_s``, ``dst/predicted_imbalance_base`` and
+    Logged per step (the same on every rank): ``dst/anchor_s``, ``dst/prediction_error`` (the cost model's
+    recent error, which sets the deadband) and ``dst/confidence`` (the share of a move it allows),
+    ``dst/predicted_imbalance_base`` and
     ``dst/predicted_imbalance`` (whole step, base and chosen budgets), ``dst/measured_imbalance`` (attention
     calls), and per rank ``dst/rank{r}/{predicted_base_s,predicted_s}`` (whole step),
     ``dst/rank{r}/{tau,max_density,density_scale,density,estimated_recall,recall,speed}`` and
@@ -108,6 +110,8 @@ class DynamicSparsityTuning(Callback):
         pl_module.layer_budgets = decision.ranks[trainer.global_rank].budgets
         logs = {
             "dst/anchor_s": decision.anchor,
+            "dst/prediction_error": self.cost_model.error,
+            "dst/confidence": confidence(self.cost_model.error),
             "dst/predicted_imbalance_base": imbalance(decision.predicted_base),
             "dst/predicted_imbalance": imbalance(decision.predicted),
         }

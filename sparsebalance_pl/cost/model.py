@@ -188,9 +188,10 @@ class CostModel:
 
     def _track_error(self, step_errors: np.ndarray) -> None:
         """``error``: a running mean of the step's median |log(measured / predicted)|, the uncalibrated start
-        counting as one step, then an average over about the last five steps."""
+        counting as one step, then an average over about the last three steps (it must follow a calibration
+        that converges within a few steps)."""
         self.steps_observed += 1
-        weight = max(1.0 / (self.steps_observed + 1), 0.2)
+        weight = max(1.0 / (self.steps_observed + 1), 1.0 / 3.0)
         self.error += weight * (float(np.median(step_errors)) - self.error)
 
     def observe_densities(self, lengths: Sequence[int], densities: Sequence[float]) -> None:
