@@ -1,7 +1,7 @@
 """The latency model under its public name (``sparsebalance_pl.latency.LatencyModel``); it lives in
 ``sparsebalance_pl.cost.latency`` beside the rest of the cost model."""
 
-from sparsebalance_pl.cost.latency import (  # noqa: F401
+from sparsebalance_pl.cost.latency import (
     TERMS,
     LatencyModel,
     LatencyTable,
@@ -11,3 +11,14 @@ from sparsebalance_pl.cost.latency import (  # noqa: F401
     UnreachableTimeError,
     kept_tiles,
 )
+
+__all__ = [
+    "TERMS",
+    "LatencyModel",
+    "LatencyTable",
+    "LatencyTableError",
+    "OnlineCalibration",
+    "TableMeta",
+    "UnreachableTimeError",
+    "kept_tiles",
+]

@@ -3,10 +3,10 @@ import os
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
+from main_runner import REPO
 
 from sparsebalance_pl.cost.density import DensityEstimator
 from sparsebalance_pl.datamodules.partition import karmarkar_karp
@@ -119,7 +119,7 @@ print(hashlib.sha256(repr(plan).encode()).hexdigest())
 def test_plan_digest_is_the_same_in_separate_processes() -> None:
     # What every rank computes on its own, in separate interpreters: object addresses and string hashing differ
     # between them (integers hash alike everywhere), so nothing of the kind may steer the plan.
-    root = Path(__file__).resolve().parent.parent
+    root = REPO
     digests = {
         subprocess.run(
             [sys.executable, "-c", _PLAN_DIGEST], cwd=root, capture_output=True, text=True, check=True, timeout=300,

@@ -1,13 +1,14 @@
 """Bad input the other tests leave out: split documents are reported, a chunk with a damaged header is named
-before training reads it (also in a 2-rank run, which ends instead of hanging), damaged token contents are named
-with their sample, and the settings that are only checked against each other, against the trainer or by a
-callback stop the run with one line naming them."""
+before training reads it (a 2-rank run stopped by one: tests/multiprocess/test_damaged_data.py), damaged token
+contents are named with their sample, and the settings that are only checked against each other, against the
+trainer or by a callback stop the run with one line naming them."""
 
 import json
 
 import pytest
-from main_runner import REPO, build_demo_data, run_main
-from test_cli_errors import _error_of
+from data_damage import damage_chunk_header as _damage_header
+from main_runner import REPO
+from main_runner import error_of as _error_of
 
 from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
 from sparsebalance_pl.datamodules.datamodule import PlanItems
@@ -26,15 +27,6 @@ def test_split_documents_are_reported_and_no_token_is_lost(tmp_path, capfd):
     err = capfd.readouterr().err
     assert "long.txt: document of 701 tokens split (data.corpus.max_doc_tokens=300, data.corpus.oversize=split)" in err
     assert sorted(load_lengths(tmp_path / "data" / "train").tolist()) == [6, 101, 300, 300]  # 701 tokens, and hello
-
-
-def _damage_header(split_dir) -> str:
-    """Overwrite two item offsets of the first chunk, keeping its size."""
-    chunk = min(split_dir.glob("chunk-*.bin"))
-    data = bytearray(chunk.read_bytes())
-    data[12:20] = b"\xff" * 8
-    chunk.write_bytes(bytes(data))
-    return chunk.name
 
 
 def test_chunk_with_a_damaged_header_is_named(tmp_path):
@@ -62,19 +54,6 @@ def test_tokens_outside_the_vocabulary_are_named_with_their_sample(tmp_path):
     assert len(items[0]["tokens"]) == lengths[0]  # the other samples stay readable
     with pytest.raises(DataError, match=rf"train: sample {len(lengths) - 1} holds token id \d+, outside .*\[0, 257\)"):
         items[len(lengths) - 1]
-
-
-@pytest.mark.slow
-def test_damaged_chunk_stops_a_two_rank_run_with_its_name(tmp_path):
-    data = {"corpus.num_documents": 120, "corpus.max_doc_tokens": 512, "batching.max_tokens": 1024}
-    build_demo_data(tmp_path, **data)
-    name = _damage_header(tmp_path / "data" / "demo" / "train")
-    result = run_main(tmp_path, "fit", "--config", str(REPO / "configs" / "demo.yaml"),
-                      *(f"--data.{k}={v}" for k, v in data.items()), "--trainer.max_steps=2", timeout=180)
-    assert result.returncode == 2
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 2 and all(name in line and "truncated or corrupt" in line for line in errors)  # each rank
-    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -1,19 +1,8 @@
 """Bad settings stop before training with one line naming the setting and what is allowed."""
 
 import pytest
-
-from sparsebalance_pl.cli import main
-
-DEMO = ["fit", "--config", "configs/demo.yaml"]
-
-
-def _error_of(capsys, *extra: str) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(DEMO + list(extra))
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err
+from main_runner import REPO
+from main_runner import error_of as _error_of
 
 
 @pytest.mark.parametrize(
@@ -30,20 +19,16 @@ def _error_of(capsys, *extra: str) -> str:
     ],
 )
 def test_bad_setting_is_named(capsys, monkeypatch, tmp_path, args, expected):
-    monkeypatch.chdir(_repo_root())
+    monkeypatch.chdir(REPO)
     err = _error_of(capsys, *args)
     for text in expected:
         assert text in err, err
 
 
 def test_empty_data_folder_is_named(capsys, monkeypatch, tmp_path):
-    monkeypatch.chdir(_repo_root())
+    monkeypatch.chdir(REPO)
     (tmp_path / "notes.md").write_text("not a corpus file")
     err = _error_of(capsys, "--data.corpus.source=folder", f"--data.corpus.text_dir={tmp_path}")
     assert "data.corpus.text_dir" in err and ".txt or .jsonl" in err
 
 
-def _repo_root():
-    from pathlib import Path
-
-    return Path(__file__).resolve().parent.parent

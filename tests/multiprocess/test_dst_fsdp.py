@@ -3,11 +3,10 @@
 import csv
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from main_runner import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 P = 0.2
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from main_runner import REPO
 
 from sparsebalance_pl.kernels import block_sparse_attention, reference_block_sparse_attention
 from sparsebalance_pl.kernels.layout import forced_tiles, token_doc_ids
@@ -152,6 +153,6 @@ def test_invalid_arguments_raise_clear_errors():
 
 def test_package_import_is_light():
     code = "import sys, sparsebalance_pl.kernels; print('torch' in sys.modules, 'triton' in sys.modules)"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = REPO
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert result.stdout.split() == ["False", "False"], result.stderr

@@ -202,22 +202,6 @@ def test_eval_tasks_hold_their_answers_at_the_end():
     assert batch["cells"].tolist() == [0, 2] and batch["answer_spans"].shape == (2, 2)
 
 
-def _agree_or_not(rank, data_dir, disagree):
-    dm = LongContextDataModule(CorpusConfig(data_dir=data_dir, num_documents=20, max_doc_tokens=256, val_fraction=0.0),
-                               BatchingConfig(max_tokens=512), seed=0)
-    dm._check_ranks_agree(np.arange(10) + (rank if disagree else 0))
-
-
-@pytest.mark.slow
-def test_ranks_that_disagree_on_the_data_are_stopped(tmp_path):
-    from rank_runner import run_ranks
-
-    assert run_ranks(_agree_or_not, str(tmp_path), False) == {}
-    failed = run_ranks(_agree_or_not, str(tmp_path), True)
-    assert set(failed) == {0, 1}
-    assert all("ranks disagree" in message and "ranks [0]" in message for message in failed.values())
-
-
 def test_changed_folder_is_reported_and_rebuilt(tmp_path, caplog):
     text_dir = tmp_path / "text"
     text_dir.mkdir()

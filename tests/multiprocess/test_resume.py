@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+from main_runner import HELPERS, REPO
 
-REPO = Path(__file__).resolve().parent.parent
-HELPERS = REPO / "tests" / "helpers"
 ARGS = [
     "fit", "--config", str(REPO / "configs" / "demo.yaml"),
     "--data.corpus.num_documents=200", "--data.corpus.max_doc_tokens=512", "--data.batching.max_tokens=1024",

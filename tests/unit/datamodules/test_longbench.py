@@ -9,6 +9,7 @@ import lightning as L
 import pytest
 import torch
 from transformers import Qwen2ForCausalLM
+from main_runner import REPO
 
 from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.cli import main
@@ -21,7 +22,6 @@ from sparsebalance_pl.metrics import CellMeans
 from sparsebalance_pl.model import ModelConfig
 from sparsebalance_pl.module import SparseQwen
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
 
 

@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from main_runner import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 SMALL = [
     "--config", str(REPO / "configs" / "demo.yaml"),
     "--data.corpus.num_documents=120", "--data.corpus.max_doc_tokens=1024", "--data.batching.max_tokens=1024",

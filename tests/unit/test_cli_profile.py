@@ -1,16 +1,16 @@
 """`python main.py profile` writes a latency table that fits the configuration's model, configured like `fit`."""
 
-from pathlib import Path
 
 import pytest
 import torch
+from main_runner import REPO
 
 from sparsebalance_pl import cli
 from sparsebalance_pl.cli import main
 from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.model import PRESETS
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = REPO / "configs"
 DEMO = str(CONFIGS / "demo.yaml")
 SHORT = ["--data.batching.max_tokens=1024", "--data.corpus.max_doc_tokens=1024"]  # a quick grid of seconds
 

@@ -1,12 +1,12 @@
 """A training checkpoint (single file or FSDP2's distributed-checkpoint folder) exported as a Hugging Face
 directory gives the same model, loadable through ``model.pretrained_path`` and by transformers itself."""
 
-from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed import checkpoint as dcp
 from transformers import Qwen2ForCausalLM
+from main_runner import REPO
 
 from sparsebalance_pl import cli
 from sparsebalance_pl.attention import AttentionConfig
@@ -15,7 +15,7 @@ from sparsebalance_pl.export import export_checkpoint
 from sparsebalance_pl.model import ModelConfig
 from sparsebalance_pl.module import SparseQwen
 
-DEMO = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+DEMO = REPO / "configs" / "demo.yaml"
 TINY = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
 
 

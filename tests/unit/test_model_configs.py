@@ -1,16 +1,16 @@
 """The shipped configurations describe the published architectures, built on the meta device."""
 
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from transformers import Qwen2ForCausalLM
+from main_runner import REPO
 
 from sparsebalance_pl.errors import ConfigError
 from sparsebalance_pl.model import ModelConfig, ModelDims
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = REPO / "configs"
 
 
 def _meta_model(config_file: str) -> tuple[ModelConfig, Qwen2ForCausalLM]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HELPERS = REPO / "tests" / "helpers"  # fault-injection callbacks, loaded by class_path
 
 
@@ -51,3 +51,16 @@ def build_demo_data(run_dir: Path, **overrides) -> None:
         data[group][name] = value
     corpus = CorpusConfig(**{**data["corpus"], "data_dir": str(run_dir / data["corpus"]["data_dir"])})
     LongContextDataModule(corpus=corpus, batching=BatchingConfig(**data["batching"]), seed=data["seed"]).prepare_data()
+
+
+def error_of(capsys, *args: str) -> str:
+    """The error ``main.py fit --config configs/demo.yaml *args`` stops with, run in this process: exit code 2,
+    no traceback (run it from the repository root)."""
+    from sparsebalance_pl.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "configs/demo.yaml", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err

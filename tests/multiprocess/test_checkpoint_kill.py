@@ -1,0 +1,104 @@
+"""A rank killed while ``last.ckpt`` is written leaves the previous checkpoint whole and ``--ckpt_path last``
+resumes from it; a damaged ``last.ckpt`` stops the run with one line naming it and a complete one."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from checkpoint_files import checkpoint_step as _step
+from checkpoint_files import write_checkpoint as _write
+from main_runner import HELPERS, REPO, build_demo_data, run_main
+
+from sparsebalance_pl import checkpoints
+
+CHECKPOINTS = "outputs/demo/checkpoints"
+DATA = {"corpus.num_documents": 200, "corpus.max_doc_tokens": 512, "batching.max_tokens": 1024}
+ARGS = [
+    "fit", "--config", str(REPO / "configs" / "demo.yaml"), *(f"--data.{k}={v}" for k, v in DATA.items()),
+    "--model.model.overrides={num_layers: 2}", "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=1",
+    "--trainer.max_steps=6",
+]
+EVERY_TWO_STEPS = {
+    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+    "init_args": {"dirpath": CHECKPOINTS, "save_last": True, "save_top_k": 0, "every_n_train_steps": 2},
+}
+
+
+def _callbacks(*extra: dict) -> str:
+    return "--trainer.callbacks=" + json.dumps([EVERY_TWO_STEPS, *extra])
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory) -> Path:
+    """The runs' corpus, built once for the module (half a minute on two cores)."""
+    built = tmp_path_factory.mktemp("demo_data")
+    build_demo_data(built, **DATA)
+    return built / "data"
+
+
+def _start_detached(cwd: Path, log: Path, *args: str) -> subprocess.Popen:
+    """``main.py`` with stderr to a file: rank 1 keeps a pipe open after rank 0 dies."""
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "main.py"), *args], cwd=cwd, stdout=subprocess.DEVNULL, stderr=log.open("w"),
+        start_new_session=True, env={**os.environ, "PYTHONPATH": str(HELPERS)},
+    )
+
+
+def _kill_group(pgid: int, timeout: float = 30) -> None:
+    """SIGKILL what is left of a run's process group and wait until it is gone."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"process group {pgid} still alive")
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    logs = max((run_dir / "outputs/demo/logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    with open(logs / "metrics.csv") as f:
+        return sorted(int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss"))
+
+
+@pytest.mark.slow
+def test_rank_killed_while_writing_last_resumes_from_the_previous_one(tmp_path, demo_data):
+    (tmp_path / "data").symlink_to(demo_data)
+    log = tmp_path / "killed.log"
+    killed = _start_detached(tmp_path, log, *ARGS,
+                             _callbacks({"class_path": "fault_injection.KillWhileSaving", "init_args": {"step": 4}}))
+    try:
+        returncode = killed.wait(timeout=240)  # rank 0 kills itself half-way through the save of step 4
+    finally:
+        _kill_group(killed.pid)  # rank 1, left waiting for it
+    assert returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    folder = tmp_path / CHECKPOINTS
+    assert checkpoints.damage(folder / "last.ckpt.partial") == "meta.pt missing or cut short"
+    assert checkpoints.damage(folder / "last.ckpt") is None and _step(folder / "last.ckpt") == 2
+
+    resumed = run_main(tmp_path, *ARGS, _callbacks(), "--ckpt_path=last", timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "last.ckpt.partial: left by a save of" in resumed.stderr
+    assert _logged_steps(tmp_path) == [2, 3, 4, 5]
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and _step(folder / "last.ckpt") == 6
+
+
+@pytest.mark.slow
+def test_a_damaged_last_checkpoint_stops_the_run_naming_a_complete_one(tmp_path, demo_data):
+    (tmp_path / "data").symlink_to(demo_data)
+    folder = tmp_path / CHECKPOINTS
+    complete = _write(folder / "epoch=0-step=2.ckpt", 2)
+    damaged = _write(folder / "last.ckpt", 4)  # as an in-place save killed before its .metadata leaves it
+    (damaged / ".metadata").unlink()
+    result = run_main(tmp_path, *ARGS, _callbacks(), "--ckpt_path=last", timeout=240)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = {line for line in result.stderr.splitlines() if line.startswith("error:")}  # each rank prints it
+    expected = f"error: checkpoint {damaged} is incomplete (no .metadata); resume from {complete} instead"
+    assert errors == {expected} and "Traceback" not in result.stderr
