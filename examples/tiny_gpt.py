@@ -3,6 +3,7 @@ sparsity-aware batching (SAB) and dynamic sparsity tuning (DST), using only publ
 
     python examples/tiny_gpt.py --steps 20 --out outputs/tiny_gpt             # 2 CPU ranks, DDP
     python examples/tiny_gpt.py --steps 20 --p 0 --out outputs/tiny_gpt_p0    # the same without tuning
+    python examples/tiny_gpt.py --latency-table outputs/tiny_gpt_latency.json # a table profiled on first use
 
 What a module needs for DST (``sparsebalance_pl.callbacks.protocol``):
 1. ``base_budgets`` and ``layer_budgets``: one ``LayerBudget`` per attention layer; DST replaces
@@ -14,7 +15,9 @@ What a module needs for DST (``sparsebalance_pl.callbacks.protocol``):
    ``SparsityReport`` of what attention did: that is how the cost model (shared with DST and the sampler)
    learns this hardware and this module.
 For SAB: a ``SparsityAwareSampler`` over the dataset's document lengths as the loader's ``batch_sampler``, with
-``Trainer(use_distributed_sampler=False)``.
+``Trainer(use_distributed_sampler=False)``. The cost model starts from the analytic FLOP prior, or from a table
+``profile_module`` measured for this module on this machine (its attention shape with the real kernels, the rest
+from a few of its own steps), which DST can trust from the first step.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from sparsebalance_pl.callbacks import (
     select_with_budget,
 )
 from sparsebalance_pl.cost import DensityEstimator, LatencyModel
+from sparsebalance_pl.cost.profiler import profile_module
 from sparsebalance_pl.datamodules import BatchingConfig, PaddingItem, SparsityAwareSampler
 from sparsebalance_pl.kernels import block_sparse_attention
 
@@ -153,9 +157,26 @@ class PaddedDocuments(list):
         return super().__getitem__(item.index)[:1] if isinstance(item, PaddingItem) else super().__getitem__(item)
 
 
-def build(p: float) -> tuple[TinyGPT, Documents, DynamicSparsityTuning]:
+def latency_model(table: Path | None) -> LatencyModel:
+    """The analytic prior without a table; with one, the table, profiled first when it is missing (run once in
+    the launching process: the other ranks start after it and read the file)."""
+    if table is None:
+        return LatencyModel.analytic(DIMS, block_size=BLOCK, stride=STRIDE)
+    if not table.exists():
+        module = TinyGPT(CostModel(LatencyModel.analytic(DIMS, block_size=BLOCK, stride=STRIDE)))
+        rng = np.random.default_rng(0)
+
+        def step(lengths: list[int]) -> None:
+            batch = pack([rng.integers(0, DIMS["vocab_size"], n) for n in lengths])
+            module.training_step(batch, 0).backward()
+            module.zero_grad(set_to_none=True)
+
+        profile_module(DIMS, step, block_size=BLOCK, stride=STRIDE, max_length=MAX_TOKENS, output=table)
+    return LatencyModel.from_file(table, DIMS, block_size=BLOCK, stride=STRIDE)
+
+
+def build(p: float, latency: LatencyModel) -> tuple[TinyGPT, Documents, DynamicSparsityTuning]:
     """The module, data and DST callback of one run, sharing one cost model."""
-    latency = LatencyModel.analytic(DIMS, block_size=BLOCK, stride=STRIDE)
     cost_model = CostModel(latency, DensityEstimator(block_size=BLOCK))
     data = Documents(cost_model)
     dst = DynamicSparsityTuning(p=p)
@@ -168,10 +189,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--p", type=float, default=0.1, help="DST's bound on tau; 0 measures without tuning")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--latency-table", type=Path, help="a table for this module and machine (profiled when missing)")
     parser.add_argument("--out", type=Path, default=Path("outputs/tiny_gpt"))
     args = parser.parse_args()
-    torch.manual_seed(0)
-    module, data, dst = build(args.p)
+    latency = latency_model(args.latency_table)
+    torch.manual_seed(0)  # after profiling, so every run starts from the same weights
+    module, data, dst = build(args.p, latency)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
         max_steps=args.steps, use_distributed_sampler=False, callbacks=[dst, BatchPlanMonitor()],

@@ -47,6 +47,16 @@ from sparsebalance_pl.model import ModelConfig, ModelDims, PackedCausalLM
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "ModelStep",
+    "ProfileGrid",
+    "device_name",
+    "latency_model_for_run",
+    "measure_seconds",
+    "profile_hardware",
+    "profile_module",
+]
+
 NOOP_ATTENTION = "sparsebalance_profile_noop"
 #: Documents in the packed stream that decides the selection scope.
 SCOPE_DOCS = 8
@@ -199,26 +209,18 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Bench:
-    """Builds the timed workloads of one profile: random inputs of the model's shapes on the device."""
+class _KernelBench:
+    """Timed workloads of the attention kernels: random q, k, v of the attention shape (heads, KV heads, head
+    dimension in ``cost_dims``) on the device, whatever model they come from."""
 
-    def __init__(self, dims: ModelDims, device: torch.device, dtype: torch.dtype, block_size: int, stride: int):
-        self.dims, self.device, self.dtype = dims, device, dtype
+    def __init__(self, dims, device: torch.device, dtype: torch.dtype, block_size: int, stride: int):
+        shape = cost_dims(dims)
+        self.heads, self.kv_heads, self.head_dim = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
+        self.device, self.dtype = device, dtype
         self.block_size, self.stride = block_size, stride
-        self.head_dim = cost_dims(dims)["head_dim"]
-        config = dims.to_hf_config(NOOP_ATTENTION)
-        self.layer = Qwen2DecoderLayer(config, layer_idx=0).to(device, dtype)
-        self.rope = Qwen2RotaryEmbedding(config).to(device)
-        self.embedding = torch.nn.Embedding(dims.vocab_size, dims.hidden_size).to(device, dtype)
-        self.norm = Qwen2RMSNorm(dims.hidden_size, eps=dims.rms_norm_eps).to(device, dtype)
-        self.head_weight = (
-            self.embedding.weight
-            if dims.tie_word_embeddings
-            else torch.nn.Parameter(torch.randn_like(self.embedding.weight) * 0.02)
-        )
 
     def _qkv(self, tokens: int, grad: bool) -> tuple[torch.Tensor, ...]:
-        shapes = (self.dims.num_heads, self.dims.num_kv_heads, self.dims.num_kv_heads)
+        shapes = (self.heads, self.kv_heads, self.kv_heads)
         return tuple(
             torch.randn(tokens, h, self.head_dim, device=self.device, dtype=self.dtype, requires_grad=grad)
             for h in shapes
@@ -251,6 +253,24 @@ class _Bench:
         q, k, _ = self._qkv(tokens, grad=False)
         cu = self._cu_seqlens(tokens, docs)
         return lambda: select_blocks(q, k, cu, block_size=self.block_size, tau=0.9, stride=self.stride)
+
+
+class _QwenBench(_KernelBench):
+    """The kernels' workloads, and the rest of a Qwen2 layer and the head on inputs of the model's shapes."""
+
+    def __init__(self, dims: ModelDims, device: torch.device, dtype: torch.dtype, block_size: int, stride: int):
+        super().__init__(dims, device, dtype, block_size, stride)
+        self.dims = dims
+        config = dims.to_hf_config(NOOP_ATTENTION)
+        self.layer = Qwen2DecoderLayer(config, layer_idx=0).to(device, dtype)
+        self.rope = Qwen2RotaryEmbedding(config).to(device)
+        self.embedding = torch.nn.Embedding(dims.vocab_size, dims.hidden_size).to(device, dtype)
+        self.norm = Qwen2RMSNorm(dims.hidden_size, eps=dims.rms_norm_eps).to(device, dtype)
+        self.head_weight = (
+            self.embedding.weight
+            if dims.tie_word_embeddings
+            else torch.nn.Parameter(torch.randn_like(self.embedding.weight) * 0.02)
+        )
 
     def layer_rest(self, tokens: int) -> Callable[[], None]:
         x = torch.randn(1, tokens, self.dims.hidden_size, device=self.device, dtype=self.dtype, requires_grad=True)
@@ -322,7 +342,8 @@ def profile_hardware(
     output: str | Path | None = None,
     clock: Clock = "wall",
 ) -> LatencyModel:
-    """Profile this device for a model of ``dims`` and return the fitted ``LatencyModel`` (saved to ``output``).
+    """Profile this device for a Qwen2 model of ``dims`` and return the fitted ``LatencyModel`` (saved to
+    ``output``).
 
     ``grid`` overrides the quick (``quick=True``) or full grid up to ``max_length`` tokens per document;
     ``clock`` as in the module docstring.
@@ -330,55 +351,26 @@ def profile_hardware(
     device = torch.device(device)
     check_clock(clock, device)
     grid = grid or (ProfileGrid.quick(max_length) if quick else ProfileGrid.full(max_length))
-    scope_tokens = grid.lengths[-2] if len(grid.lengths) > 2 else grid.lengths[-1]
-    cells = (
-        [("attention", n, rho) for n in grid.lengths for rho in grid.densities]
-        + [("selection", n, 1) for n in grid.lengths]
-        + [("selection", scope_tokens, SCOPE_DOCS), ("selection", scope_tokens // SCOPE_DOCS, 1)]
-        + [("attention", SCOPE_DOCS * grid.lengths[0], 1.0, SCOPE_DOCS)]
-        + [(part, n, None) for part in ("layer", "head") for n in grid.token_counts]
-        + [("model", i, None) for i in range(grid.model_steps)]
-    )
-    cells = list(dict.fromkeys(cells))  # the scope cells can repeat grid cells
+    cells, scope_tokens = _kernel_cells(grid)
+    cells += [(part, n, None) for part in ("layer", "head") for n in grid.token_counts]
+    cells += [("model", i, None) for i in range(grid.model_steps)]
     step_batches = grid.model_step_batches(seed)
-    shuffle = np.random.default_rng([seed, 3])
-    times: dict[tuple, float] = {}
-    columns = (TextColumn("profiling {task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), Progress(
-        *columns, disable=not progress, transient=False
-    ) as bar:
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        bench = _Bench(dims, device, dtype, block_size, stride)
+        bench = _QwenBench(dims, device, dtype, block_size, stride)
         kernels = dict(device=device, dtype=dtype, block_size=block_size, stride=stride)
         whole = ModelStep(dims, **kernels) if grid.model_steps else None
-        task = bar.add_task("", total=grid.passes * len(cells))
-        sweeps = [cells] + [[cells[i] for i in shuffle.permutation(len(cells))] for _ in range(grid.passes - 1)]
-        for cell in (cell for sweep in sweeps for cell in sweep):
-            part, n, extra, *docs = cell
-            if part == "model":
-                lengths, density = step_batches[n]
-                bar.update(task, description=f"model step {sum(lengths)} @ {density:g}")
-            else:
-                bar.update(task, description=f"{part} {n}" + (f" @ {extra:g}" if part == "attention" else ""))
-            workload = {
-                "attention": lambda: bench.attention(n, extra, *docs),
-                "selection": lambda: bench.selection(n, extra),
-                "layer": lambda: bench.layer_rest(n),
-                "head": lambda: bench.head(n),
-                "model": lambda: whole.workload(*step_batches[n]),
-            }[part]()
-            try:
-                seconds = measure_seconds(workload, device=device, repeats=grid.repeats, budget=grid.cell_seconds,
-                                          clock=clock)
-            except torch.OutOfMemoryError:
-                if part != "model":
-                    raise
-                # Training may fit only with activation checkpointing: fit the terms to the steps that ran.
-                log.warning("whole-model step of %d tokens ran out of memory; left out of the fit", sum(lengths))
-                seconds = np.inf
-            times[cell] = min(times.get(cell, np.inf), seconds)
-            bar.advance(task)
-    table = _table(times, grid, dims, device, dtype, block_size, stride, scope_tokens, clock)
+        workloads = {
+            "layer": lambda n, _: bench.layer_rest(n),
+            "head": lambda n, _: bench.head(n),
+            "model": lambda i, _: whole.workload(*step_batches[i]),
+        }
+        times = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
+    counts = np.asarray(grid.token_counts, dtype=np.float64)
+    token_layer, layer_overhead = _line([times[("layer", n, None)] for n in grid.token_counts], counts)
+    token_head, model_overhead = _line([times[("head", n, None)] for n in grid.token_counts], counts)
+    table = _table(times, grid, dims, device, dtype, block_size, stride, scope_tokens, clock,
+                   (token_layer, token_head, layer_overhead, model_overhead), {})
     steps = [(lengths, density, times[("model", i, None)]) for i, (lengths, density) in enumerate(step_batches)]
     steps = [step for step in steps if np.isfinite(step[2])]
     model = LatencyModel(_fitted_to_steps(table, steps) if steps else table)
@@ -387,21 +379,126 @@ def profile_hardware(
     return model
 
 
+def profile_module(
+    dims: dict,
+    step: Callable[[list[int]], object],
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    block_size: int = 64,
+    stride: int = 16,
+    max_length: int = 8192,
+    grid: ProfileGrid | None = None,
+    progress: bool = True,
+    seed: int = 0,
+    output: str | Path | None = None,
+    clock: Clock = "wall",
+) -> LatencyModel:
+    """Profile this device for a module of any architecture that attends with SparseBalance's kernels.
+
+    ``dims`` names the cost-relevant dimensions (``num_layers``, ``hidden_size``, ``num_heads``,
+    ``num_kv_heads``, ``head_dim``, ``intermediate_size``, ``vocab_size``); ``step(lengths)`` runs the module's
+    forward and backward on one micro-batch of documents of those lengths (the device synchronised after it on
+    a GPU). Attention and selection are measured with the real kernels at the module's attention shape, as
+    ``profile_hardware`` does; everything else comes from the module's own steps on streams of short documents
+    (whose attention is nearly dense at any budget): the time left after their predicted attention and
+    selection, fitted to a line in the token count, is the per-token cost and the fixed cost per step.
+    """
+    device = torch.device(device)
+    check_clock(clock, device)
+    grid = grid or ProfileGrid.quick(max_length)
+    short = grid.lengths[0]
+    cells, scope_tokens = _kernel_cells(grid)
+    cells += [("step", n, None) for n in grid.token_counts]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        bench = _KernelBench(dims, device, dtype, block_size, stride)
+        workloads = {"step": lambda n, _: lambda: step([short] * max(n // short, 1))}
+        times = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
+    kernels_only = LatencyModel(_table(times, grid, dims, device, dtype, block_size, stride, scope_tokens, clock,
+                                       (0.0, 0.0, 0.0, 0.0), {}))
+    layers = kernels_only.num_layers
+    streams = [[short] * max(n // short, 1) for n in grid.token_counts]
+    rest = [times[("step", n, None)] - kernels_only.predict(ls, 1.0) for n, ls in zip(grid.token_counts, streams)]
+    per_token, fixed = _line(rest, np.array([sum(lengths) for lengths in streams], dtype=np.float64))
+    model = LatencyModel(_table(times, grid, dims, device, dtype, block_size, stride, scope_tokens, clock,
+                                (per_token / layers, 0.0, fixed / layers, 0.0), {"token_costs": "module steps"}))
+    if output is not None:
+        model.save(output)
+    return model
+
+
+def _kernel_cells(grid: ProfileGrid) -> tuple[list[tuple], int]:
+    """The cells of the kernels' terms (attention over lengths and densities, selection over lengths, and the
+    packed streams that decide the selection scope and an attention call's fixed cost), and the scope's length."""
+    scope_tokens = grid.lengths[-2] if len(grid.lengths) > 2 else grid.lengths[-1]
+    cells = (
+        [("attention", n, rho) for n in grid.lengths for rho in grid.densities]
+        + [("selection", n, 1) for n in grid.lengths]
+        + [("selection", scope_tokens, SCOPE_DOCS), ("selection", scope_tokens // SCOPE_DOCS, 1)]
+        + [("attention", SCOPE_DOCS * grid.lengths[0], 1.0, SCOPE_DOCS)]
+    )
+    return list(dict.fromkeys(cells)), scope_tokens  # the scope cells can repeat grid cells
+
+
+def _measure(
+    cells: list[tuple],
+    bench: _KernelBench,
+    workloads: dict[str, Callable[[int, object], Callable[[], object]]],
+    grid: ProfileGrid,
+    device: torch.device,
+    clock: Clock,
+    progress: bool,
+    seed: int,
+) -> dict[tuple, float]:
+    """Each cell's fastest time over ``grid.passes`` sweeps in different orders, with a progress bar. Kernel
+    cells are timed on ``bench``, the others by ``workloads[part](n, extra)``. A whole-model step that runs out
+    of memory is timed as infinite (training may fit only with activation checkpointing)."""
+    shuffle = np.random.default_rng([seed, 3])
+    sweeps = [cells] + [[cells[i] for i in shuffle.permutation(len(cells))] for _ in range(grid.passes - 1)]
+    times: dict[tuple, float] = {}
+    columns = (TextColumn("profiling {task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, disable=not progress, transient=False) as bar:
+        task = bar.add_task("", total=len(cells) * grid.passes)
+        for cell in (cell for sweep in sweeps for cell in sweep):
+            part, n, extra, *docs = cell
+            bar.update(task, description=f"{part} {n}" + (f" @ {extra:g}" if part == "attention" else ""))
+            if part == "attention":
+                workload = bench.attention(n, extra, *docs)
+            elif part == "selection":
+                workload = bench.selection(n, extra)
+            else:
+                workload = workloads[part](n, extra)
+            try:
+                seconds = measure_seconds(workload, device=device, repeats=grid.repeats, budget=grid.cell_seconds,
+                                          clock=clock)
+            except torch.OutOfMemoryError:
+                if part != "model":
+                    raise
+                log.warning("whole-model step %d ran out of memory; left out of the fit", n)
+                seconds = np.inf
+            times[cell] = min(times.get(cell, np.inf), seconds)
+            bar.advance(task)
+    return times
+
+
 def _table(
     times: dict[tuple, float],
     grid: ProfileGrid,
-    dims: ModelDims,
+    dims,
     device: torch.device,
     dtype: torch.dtype,
     block_size: int,
     stride: int,
     scope_tokens: int,
     clock: Clock,
+    token_terms: tuple[float, float, float, float],
+    notes: dict,
 ) -> LatencyTable:
-    """Turn raw timings into a table: per-token fits by least squares, the selection scope by comparison."""
-    counts = np.asarray(grid.token_counts, dtype=np.float64)
-    token_layer, layer_overhead = _line([times[("layer", n, None)] for n in grid.token_counts], counts)
-    token_head, model_overhead = _line([times[("head", n, None)] for n in grid.token_counts], counts)
+    """A table from the kernel cells' timings and the token terms (seconds per token of a layer and of the head,
+    fixed seconds per layer and per micro-batch); the selection scope by comparison of packed and single
+    streams."""
+    token_layer, token_head, layer_overhead, model_overhead = token_terms
     packed = times[("selection", scope_tokens, SCOPE_DOCS)]
     one_doc = times[("selection", scope_tokens, 1)]
     per_doc = SCOPE_DOCS * times[("selection", scope_tokens // SCOPE_DOCS, 1)]
@@ -421,7 +518,7 @@ def _table(
         versions=library_versions(),
         source="profile",
         notes={"grid": grid.__dict__, "clock": clock, "selection_packed_vs_single": packed / one_doc,
-               "attention_call_seconds": float(call)},
+               "attention_call_seconds": float(call), **notes},
     )
     return LatencyTable(
         meta=meta,

@@ -121,3 +121,43 @@ def test_whole_model_steps_that_run_out_of_memory_are_left_out_of_the_fit(monkey
         model = profile_hardware(TINY, grid=grid, progress=False, **KERNELS)
     assert "ran out of memory; left out of the fit" in caplog.text
     assert np.isfinite(model.table.meta.notes["model_step_error_fitted"])
+
+
+def _module_step(dims: dict):
+    """A stand-in module's forward and backward: dense attention of each document with the real kernels, then a
+    linear layer per token, in every layer."""
+    from sparsebalance_pl.kernels import block_sparse_attention, select_blocks
+
+    hidden = dims["hidden_size"]
+    weight = torch.randn(hidden, 4 * hidden, requires_grad=True)
+
+    def step(lengths: list[int]) -> None:
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+        tokens = int(cu[-1])
+        q = torch.randn(tokens, dims["num_heads"], dims["head_dim"], requires_grad=True)
+        k, v = (torch.randn(tokens, dims["num_kv_heads"], dims["head_dim"], requires_grad=True) for _ in range(2))
+        total = 0
+        for _ in range(dims["num_layers"]):
+            mask = select_blocks(q.detach(), k.detach(), cu, tau=1.0, **KERNELS)
+            out = block_sparse_attention(q, k, v, mask, cu, block_size=KERNELS["block_size"])
+            total = total + (out.reshape(tokens, -1)[:, :hidden] @ weight).sum()
+        total.backward()
+
+    return step
+
+
+def test_profile_module_measures_a_module_of_its_own():
+    from sparsebalance_pl.cost.profiler import profile_module
+
+    dims = {"num_layers": 2, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "head_dim": 32,
+            "intermediate_size": 128, "vocab_size": 128}
+    step = _module_step(dims)
+    with one_thread():
+        model = profile_module(dims, step, grid=TINY_GRID, progress=False, clock="cpu", **KERNELS)
+        meta = model.table.meta
+        assert meta.dims["head_dim"] == 32 and meta.block_size == 32 and meta.notes["token_costs"] == "module steps"
+        assert model.table.token_layer > 0
+        lengths = [128] * 12  # a stream the profile did not time
+        measured = measure_seconds(lambda: step(lengths), device=torch.device("cpu"), repeats=3, budget=2.0,
+                                   clock="cpu")
+    assert model.predict(lengths, 1.0) == pytest.approx(measured, rel=0.35)
