@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 from pathlib import Path
 
 import lightning as L
@@ -192,6 +193,9 @@ def main() -> None:
     parser.add_argument("--latency-table", type=Path, help="a table for this module and machine (profiled when missing)")
     parser.add_argument("--out", type=Path, default=Path("outputs/tiny_gpt"))
     args = parser.parse_args()
+    # Each rank its share of the cores, in the profile as in training: ranks that contend for every core slow down
+    # at random, and the cost model would learn the contention instead of the work.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.devices))
     latency = latency_model(args.latency_table)
     torch.manual_seed(0)  # after profiling, so every run starts from the same weights
     module, data, dst = build(args.p, latency)

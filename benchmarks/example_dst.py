@@ -1,0 +1,77 @@
+"""DST in a project of its own (examples/tiny_gpt.py): does it help, and does it ever do harm?
+
+Runs the worked example on 2 CPU ranks with DST (p = 0.1) and without (p = 0), from the analytic prior and
+from a table ``profile_module`` measured for it, for ``--rounds`` rounds, variants alternated. Every run plans
+its epoch before it has measured anything, so step s holds the same documents in every run and the runs can
+be compared step by step. Printed per variant: mean measured attention imbalance, its ratio to p = 0, the
+largest step-to-step move of DST's anchor, and how many steps DST made worse than p = 0 by more than the
+noise (the largest difference between two p = 0 rounds on the same step).
+
+    python benchmarks/example_dst.py --steps 20 --rounds 3 --out outputs/example_dst
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "tiny_gpt.py"
+
+
+def run(out: Path, steps: int, p: float, table: Path | None) -> dict[str, np.ndarray]:
+    command = [sys.executable, str(EXAMPLE), "--steps", str(steps), "--p", str(p), "--out", str(out)]
+    if table is not None:
+        command += ["--latency-table", str(table)]
+    subprocess.run(command, check=True, capture_output=True, text=True, cwd=out.parent)
+    rows = list(csv.DictReader(open(out / "logs" / "version_0" / "metrics.csv")))
+    series = {}
+    for key in ("dst/measured_imbalance", "dst/anchor_s", "dst/prediction_error"):
+        series[key] = np.array([float(r[key]) for r in rows if r.get(key)])
+    return series
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("outputs/example_dst"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = (args.out / "tiny_gpt_latency.json").resolve()
+    starts = {"analytic": None, "profiled": table}
+    if not table.exists():  # profiled once, outside the timed runs
+        run((args.out / "profile_run").resolve(), 1, 0.0, table)
+    results: dict[tuple[str, float], list[dict[str, np.ndarray]]] = {}
+    for r in range(args.rounds):
+        for start, path in starts.items():
+            for p in (0.1, 0.0):
+                out = (args.out / f"{start}-p{p}-round{r}").resolve()
+                results.setdefault((start, p), []).append(run(out, args.steps, p, path))
+                print(f"round {r} {start} p={p}: mean imbalance "
+                      f"{results[(start, p)][-1]['dst/measured_imbalance'].mean():.3f}", flush=True)
+    print("\n| start | p | mean measured imbalance (rounds) | vs p = 0 | largest anchor move | steps worse than p = 0 "
+          "by more than the noise | final prediction error |")
+    print("|---|---|---|---|---|---|---|")
+    for start in starts:
+        static = np.array([s["dst/measured_imbalance"] for s in results[(start, 0.0)]])
+        noise = max(np.abs(a - b).max() for i, a in enumerate(static) for b in static[i + 1:])
+        for p in (0.1, 0.0):
+            runs = results[(start, p)]
+            measured = np.array([s["dst/measured_imbalance"] for s in runs])
+            anchors = [s["dst/anchor_s"] for s in runs]
+            move = max(float(np.max(np.maximum(a[1:] / a[:-1], a[:-1] / a[1:]))) for a in anchors)
+            worse = int((measured.mean(0) - static.mean(0) > noise).sum()) if p > 0 else 0
+            per_round = " / ".join(f"{m:.3f}" for m in measured.mean(1))
+            error = np.mean([s["dst/prediction_error"][-1] for s in runs])
+            print(f"| {start} | {p} | {measured.mean():.3f} ({per_round}) | {static.mean() / measured.mean():.3f}x "
+                  f"| {move:.2f}x | {worse} of {measured.shape[1]} (noise {noise:.3f}) | {error:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
