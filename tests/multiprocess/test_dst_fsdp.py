@@ -1,4 +1,5 @@
-"""DynamicSparsityTuning on SparseQwen under FSDP2, 2 gloo ranks on the CPU, through ``python main.py fit``."""
+"""DynamicSparsityTuning on SparseQwen under FSDP2, 2 gloo ranks on the CPU, through ``python main.py fit``: the
+overloaded rank goes sparser whenever DST moves, and DST holds only inside the cost model's error."""
 
 import csv
 import subprocess
@@ -15,7 +16,7 @@ def test_overloaded_rank_gets_sparser_and_predicted_imbalance_falls(tmp_path):
     args = [
         sys.executable, str(REPO / "main.py"), "fit", "--config", str(REPO / "configs/demo.yaml"),
         "--data.corpus.num_documents=120", "--data.corpus.max_doc_tokens=1024", "--data.batching.max_tokens=1024",
-        "--model.model.overrides={num_layers: 2}", "--trainer.log_every_n_steps=1", "--trainer.max_steps=4",
+        "--model.model.overrides={num_layers: 2}", "--trainer.log_every_n_steps=1", "--trainer.max_steps=16",
         "--trainer.limit_val_batches=0",
         "--data.batching.method=first_fit",  # token-count packing leaves the cost imbalance that DST must fix
         f'--trainer.callbacks=[{{"class_path": "sparsebalance_pl.callbacks.DynamicSparsityTuning", '
@@ -25,16 +26,18 @@ def test_overloaded_rank_gets_sparser_and_predicted_imbalance_falls(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     rows = [r for r in csv.DictReader(open(tmp_path / "outputs/demo/logs/version_0/metrics.csv"))
             if r.get("dst/rank0/tau")]
-    assert len(rows) == 4
-    separated = 0
+    assert len(rows) == 16
+    moved = 0
     for row in rows:
         base = [float(row[f"dst/rank{r}/predicted_base_s"]) for r in (0, 1)]
         tau = [float(row[f"dst/rank{r}/tau"]) for r in (0, 1)]
+        imbalance_base, imbalance = float(row["dst/predicted_imbalance_base"]), float(row["dst/predicted_imbalance"])
         assert all(0.9 - P - 1e-6 <= t <= 0.9 + P + 1e-6 for t in tau)
-        assert float(row["dst/predicted_imbalance"]) <= float(row["dst/predicted_imbalance_base"]) + 1e-9
-        if abs(base[0] - base[1]) > 0.05 * max(base):
+        assert imbalance <= imbalance_base + 1e-9
+        if tau[0] != tau[1]:  # moved: the overloaded rank goes sparser, the predicted step gets shorter
             slow, fast = (0, 1) if base[0] > base[1] else (1, 0)
-            assert tau[slow] < tau[fast]
-            assert float(row["dst/predicted_imbalance"]) < float(row["dst/predicted_imbalance_base"])
-            separated += 1
-    assert separated >= 1, "no step had an overloaded and an underloaded rank"
+            assert tau[slow] < tau[fast] and imbalance < imbalance_base
+            moved += 1
+        else:  # held: only while the predicted imbalance lies within the cost model's own recent error
+            assert imbalance_base - 1 <= float(row["dst/prediction_error"]) + 1e-9
+    assert moved >= 1, "DST never moved"
