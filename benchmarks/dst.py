@@ -11,7 +11,8 @@ one run (same data, same seed, each from a fresh model) and the first ``--warmup
 latency model calibrates, are left out. Reported per variant: median step time (rank 0's wall time from
 batch start to batch end, which includes waiting for the other rank in FSDP's collectives), its ratio to
 static, median measured imbalance of the attention calls, and mean exact recall (sampled rows) per rank.
-The regime line gives the mean density and recall at the base budget (the regime: sharp attention keeps few blocks at tau 0.9, near-uniform attention keeps about tau of them). ``--out`` gets the
+The regime line gives the mean density and recall at the base budget (the regime: sharp attention keeps few
+blocks at tau 0.9, near-uniform attention keeps about tau of them). ``--out`` gets the
 summaries and every measured step's DST metrics as JSON. Timings on a shared CPU are noisy: read the
 ratios, not the absolute times.
 

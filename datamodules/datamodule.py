@@ -256,7 +256,8 @@ class LongContextDataModule(L.LightningDataModule):
     def _check_ranks_agree(self, lengths: np.ndarray) -> None:
         """Stop when ranks would plan from different data or settings: their plans would diverge and the
         collectives hang."""
-        settings = (self.seed, self.batching.method, self.batching.max_tokens, self.batching.rank_budget, self.batching.defer_window, self.batching.micro_batches)
+        b = self.batching
+        settings = (self.seed, b.method, b.max_tokens, b.rank_budget, b.defer_window, b.micro_batches)
         check_ranks_agree(
             np.ascontiguousarray(lengths, dtype=np.int64).tobytes() + repr(settings).encode(),
             f"the training data or plan settings: every rank must see the same {self.data_dir} and data settings",

@@ -265,7 +265,8 @@ class OnlineCalibration:
 
 
 class LatencyModel:
-    """Predicted forward+backward seconds of a micro-batch on one rank (the public contract: ``sparsebalance_pl.latency.LatencyModel``).
+    """Predicted forward+backward seconds of a micro-batch on one rank (public as
+    ``sparsebalance_pl.latency.LatencyModel``).
 
     ``doc_lengths`` is a sequence of document lengths in tokens; ``density`` the kept fraction of each
     document's causal blocks, a scalar for all documents or one value per document, clipped to
