@@ -26,6 +26,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from sparsebalance_pl.callbacks import DynamicSparsityTuning
 from sparsebalance_pl.cost.profiler import profile_hardware
 from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
+from sparsebalance_pl.distributed import leave_process_group
 from sparsebalance_pl.errors import ConfigError, DataError, TrainingError
 from sparsebalance_pl.export import export_checkpoint
 from sparsebalance_pl.module import SparseQwen
@@ -199,6 +200,7 @@ def main(args: list[str] | None = None) -> SparseBalanceCLI | Path:
         if cause is None:
             raise
         print(f"error: {_last_line(cause)}", file=sys.stderr)
+        leave_process_group()  # gloo's threads alive at interpreter exit can abort it (exit code -6 instead of 2)
         sys.exit(2)
     return cli.result if cli.subcommand in COMMANDS else cli
 
