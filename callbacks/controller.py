@@ -33,6 +33,7 @@ from sparsebalance_pl.callbacks.budget import (
     rank_budget,
 )
 from sparsebalance_pl.cost import CostModel, StepObservation
+from sparsebalance_pl.cost.model import timed_seconds
 from sparsebalance_pl.errors import ConfigError
 
 
@@ -137,17 +138,18 @@ class DSTController:
         if len(self.shifts) != len(lengths):
             self.shifts = [None] * len(lengths)
         cost = self.cost_model
+        models = [cost.for_rank(r) for r in range(len(lengths))]
         views = [
-            outlook(cost.for_rank(r), ls, cost.document_density(ls), self.p, self.min_density)
-            for r, ls in enumerate(lengths)
+            outlook(model, ls, cost.document_density(ls), self.p, self.min_density)
+            for model, ls in zip(models, lengths)
         ]
         name, anchor = self._anchor(views)
         base = [v.base for v in views]
-        timed = [cost.timed_seconds(ls, v.density, rank=r) / v.base for r, (ls, v) in enumerate(zip(lengths, views))]
+        timed = [timed_seconds(model, ls, v.density) / v.base for model, ls, v in zip(models, lengths, views)]
         targets = self._targets(views, anchor, max(timed))
         ranks = [
-            rank_budget(cost.for_rank(r), ls, views[r], targets[r], self.p, self.base_budgets, self.shifts[r])
-            for r, ls in enumerate(lengths)
+            rank_budget(model, ls, view, target, self.p, self.base_budgets, shift)
+            for model, ls, view, target, shift in zip(models, lengths, views, targets, self.shifts)
         ]
         self.shifts = [budget.shift for budget in ranks]
         self.budgets = [budget.budgets for budget in ranks]

@@ -143,12 +143,10 @@ class CostModel:
         log_scales = calibration.log_scales + math.log(self.speed(rank)) * _TIMED
         return LatencyModel(self.latency.table, replace(calibration, log_scales=log_scales))
 
-    def timed_seconds(self, lengths: Sequence[int], density: float, rank: int | None = None) -> float:
-        """Predicted seconds of the timed terms (what ``SparsityReport.attention_seconds`` measures), at the
-        nominal speed or at ``rank``'s."""
-        model = self.latency if rank is None else self.for_rank(rank)
-        parts = model.breakdown(lengths, density)
-        return sum(parts[name] for name in TIMED_TERMS)
+    def timed_seconds(self, lengths: Sequence[int], density: float) -> float:
+        """Predicted seconds of the timed terms (what ``SparsityReport.attention_seconds`` measures) at the
+        nominal speed."""
+        return timed_seconds(self.latency, lengths, density)
 
     # ------------------------------------------------------------------------------------------- learning
     def observe(self, records: Sequence[StepRecord]) -> StepObservation:
@@ -220,6 +218,12 @@ class CostModel:
         self.log_speeds = np.asarray(state.get("log_speeds", []), dtype=np.float64)
         self.error = float(state.get("error", UNCALIBRATED_ERROR))
         self.steps_observed = int(state.get("steps_observed", 0))
+
+
+def timed_seconds(model: LatencyModel, lengths: Sequence[int], density: float) -> float:
+    """``model``'s predicted seconds of the timed terms (``TIMED_TERMS``) of a micro-batch."""
+    parts = model.breakdown(lengths, density)
+    return sum(parts[name] for name in TIMED_TERMS)
 
 
 def observe_step(cost_model: CostModel, lengths: Sequence[int], report: SparsityReport, group=None) -> StepObservation:
