@@ -32,7 +32,7 @@ from sparsebalance_pl.callbacks.budget import (
     outlook,
     rank_budget,
 )
-from sparsebalance_pl.cost import CostModel, StepObservation
+from sparsebalance_pl.cost import CostModel, LatencyModel, StepObservation
 from sparsebalance_pl.cost.model import timed_seconds
 from sparsebalance_pl.errors import ConfigError
 
@@ -76,6 +76,9 @@ class Decision:
         ranks: per rank, its move and per-layer budgets.
         predicted_base: per rank, predicted whole-step seconds at the base budgets.
         predicted: per rank, predicted whole-step seconds at the chosen budgets.
+        anchor_drift: the anchor's move since the previous decision, on the previous step's documents (the
+            anchor the current cost model gives them over the one decided then; None at the first step): what
+            calibration moved, apart from the change of workload between steps.
     """
 
     anchor: float
@@ -83,6 +86,7 @@ class Decision:
     ranks: list[RankBudget]
     predicted_base: list[float]
     predicted: list[float]
+    anchor_drift: float | None = None
 
 
 #: The cost model error (|log(measured / predicted)|) at which DST moves ranks half way toward the anchor; the
@@ -131,19 +135,19 @@ class DSTController:
         self.shifts: list[float | None] = []
         self.budgets: list[list[LayerBudget]] = []  # every rank's, as last decided
         self.last: Decision | None = None
+        self.last_lengths: list[list[int]] = []
 
     def plan(self, lengths: Sequence[Sequence[int]]) -> Decision:
         """Every rank's budgets for micro-batches of documents ``lengths[rank]``."""
         lengths = [[int(n) for n in rank_lengths] for rank_lengths in lengths]
         if len(self.shifts) != len(lengths):
             self.shifts = [None] * len(lengths)
-        cost = self.cost_model
-        models = [cost.for_rank(r) for r in range(len(lengths))]
-        views = [
-            outlook(model, ls, cost.document_density(ls), self.p, self.min_density)
-            for model, ls in zip(models, lengths)
-        ]
+        models = [self.cost_model.for_rank(r) for r in range(len(lengths))]
+        views = self._views(models, lengths)
         name, anchor = self._anchor(views)
+        drift = None
+        if self.last is not None and len(self.last_lengths) == len(lengths):
+            drift = self._anchor(self._views(models, self.last_lengths))[1] / self.last.anchor
         base = [v.base for v in views]
         timed = [timed_seconds(model, ls, v.density) / v.base for model, ls, v in zip(models, lengths, views)]
         targets = self._targets(views, anchor, max(timed))
@@ -154,8 +158,13 @@ class DSTController:
         self.shifts = [budget.shift for budget in ranks]
         self.budgets = [budget.budgets for budget in ranks]
         moved = [v.at(t) for v, t in zip(views, targets)]
-        self.last = Decision(anchor, name, ranks, base, moved)
+        self.last = Decision(anchor, name, ranks, base, moved, drift)
+        self.last_lengths = lengths
         return self.last
+
+    def _views(self, models: Sequence[LatencyModel], lengths: Sequence[Sequence[int]]) -> list[Outlook]:
+        density = self.cost_model.document_density
+        return [outlook(model, ls, density(ls), self.p, self.min_density) for model, ls in zip(models, lengths)]
 
     def _targets(self, views: Sequence[Outlook], anchor: float, timed_share: float) -> list[float]:
         """Each rank's target time: its base time inside the deadband or with p = 0, else the anchor, damped by

@@ -41,7 +41,8 @@ class DynamicSparsityTuning(Callback):
         min_density: the lowest density a straggler aims at, in [0, 1].
         recall_tolerance: the adaptive anchor's allowance for predicted loss of mean recall.
 
-    Logged per step (the same on every rank): ``dst/anchor_s``, ``dst/prediction_error`` (the cost model's
+    Logged per step (the same on every rank): ``dst/anchor_s``, ``dst/anchor_drift`` (its move since the
+    previous step on that step's documents: what learning moved, apart from the workload), ``dst/prediction_error`` (the cost model's
     recent error, which sets the deadband) and ``dst/confidence`` (the share of a move it allows),
     ``dst/predicted_imbalance_base`` and
     ``dst/predicted_imbalance`` (whole step, base and chosen budgets), ``dst/measured_imbalance`` (attention
@@ -115,6 +116,8 @@ class DynamicSparsityTuning(Callback):
             "dst/predicted_imbalance_base": imbalance(decision.predicted_base),
             "dst/predicted_imbalance": imbalance(decision.predicted),
         }
+        if decision.anchor_drift is not None:
+            logs["dst/anchor_drift"] = decision.anchor_drift
         if self.anchor == "adaptive":
             logs["dst/adaptive_anchor"] = ("min", "median", "mean", "max").index(decision.anchor_name)
         for r, (base, moved) in enumerate(zip(decision.predicted_base, decision.predicted)):

@@ -263,19 +263,28 @@ class LongContextDataModule(L.LightningDataModule):
             f"the training data or plan settings: every rank must see the same {self.data_dir} and data settings",
         )
 
-    def _loader(self, split: str, train: bool) -> DataLoader:
-        import litdata  # heavy to import; only the dataloader hooks need it
+    def items(self, split: str) -> PlanItems:
+        """The documents of ``split`` (``train`` or ``val``) by plan item, checked against the vocabulary."""
+        import litdata  # heavy to import; only what reads the data needs it
 
+        directory = self.data_dir / split
+        return PlanItems(litdata.StreamingDataset(str(directory)), len(self.lengths(split)), self.vocab_size, directory)
+
+    def train_plan(self, num_ranks: int, rank: int, **resume) -> SparsityAwareSampler:
+        """The training batch sampler of ``rank`` among ``num_ranks``; its ``plan()`` holds every rank's
+        micro-batches, which an emulation of many ranks in one process runs itself."""
+        return SparsityAwareSampler(self.lengths("train"), self.batching, cost_model=self.cost_model, seed=self.seed,
+                                    num_replicas=num_ranks, rank=rank, **resume)
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
         lengths = self.lengths(split)
         num_ranks, rank = self._ranks()
         if train:
             self._check_ranks_agree(lengths)
             resume = self._resume or {"epoch": 0, "batches_consumed": 0}
             self._resume = None
-            sampler = SparsityAwareSampler(
-                lengths, self.batching, cost_model=self.cost_model, seed=self.seed, num_replicas=num_ranks, rank=rank,
-                epoch=resume["epoch"], skip=resume["batches_consumed"], planned_costs=resume.get("plan_costs"),
-            )
+            sampler = self.train_plan(num_ranks, rank, epoch=resume["epoch"], skip=resume["batches_consumed"],
+                                      planned_costs=resume.get("plan_costs"))
             self.train_sampler = sampler
         else:
             plan = first_fit_plan(
@@ -284,8 +293,7 @@ class LongContextDataModule(L.LightningDataModule):
             )
             sampler = PlannedBatchSampler(lambda epoch: plan, rank=rank)
         return DataLoader(
-            PlanItems(litdata.StreamingDataset(str(self.data_dir / split)), len(lengths), self.vocab_size,
-                      self.data_dir / split),
+            self.items(split),
             batch_sampler=sampler,
             collate_fn=collate_packed,
             num_workers=self.batching.num_workers,
@@ -296,15 +304,12 @@ class LongContextDataModule(L.LightningDataModule):
         """Packed micro-batches of training documents across the length range, identical on every rank: up to
         ``per_bin`` documents of each half-octave of length from ``min_length`` up, for the model to measure
         its attention density by length before the first epoch is planned (``SparseQwen.calibrate_density``)."""
-        import litdata
-
         lengths = self.lengths("train")
         order = np.random.default_rng(self.seed).permutation(len(lengths))
         order = order[lengths[order] >= min_length]
         bins = np.floor(2 * np.log2(lengths[order])).astype(np.int64)
         picked = np.concatenate([order[bins == b][:per_bin] for b in np.unique(bins)] or [order])
-        dataset = litdata.StreamingDataset(str(self.data_dir / "train"))
-        items = PlanItems(dataset, len(lengths), self.vocab_size, self.data_dir / "train")
+        items = self.items("train")
         packed = first_fit(lengths, picked[np.argsort(-lengths[picked], kind="stable")], self.batching.max_tokens)
         return [collate_packed([items[int(i)] for i in batch]) for batch in packed]
 

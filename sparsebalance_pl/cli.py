@@ -52,7 +52,7 @@ class SparseBalanceCLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         """``export`` reads its checkpoint itself; Lightning's would parse the model's settings out of it."""
-        if self.config.subcommand not in COMMANDS:
+        if self.config.get("subcommand") not in COMMANDS:
             super()._parse_ckpt_path()
 
     def instantiate_classes(self) -> None:
@@ -186,7 +186,9 @@ docstring, whose first line is the command's help."""
 _SECTIONS = {"model", "data", "trainer"}
 
 
-def main(args: list[str] | None = None) -> SparseBalanceCLI | Path:
+def main(args: list[str] | None = None, run: bool = True) -> SparseBalanceCLI | Path:
+    """The command line; ``run=False`` parses and builds the configuration's classes and runs nothing (no
+    subcommand in ``args`` then)."""
     try:
         cli = SparseBalanceCLI(
             SparseQwen,
@@ -194,6 +196,7 @@ def main(args: list[str] | None = None) -> SparseBalanceCLI | Path:
             trainer_defaults={"use_distributed_sampler": False},
             save_config_kwargs={"overwrite": True},
             args=args,
+            run=run,
         )
     except Exception as err:
         cause = _named_cause(err)

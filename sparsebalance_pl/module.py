@@ -347,6 +347,11 @@ class SparseQwen(L.LightningModule):
                 self.log(f"{stage}/recall", recall, batch_size=1)
 
     def configure_optimizers(self):
+        return self.optimizer_and_schedule(max(1, int(self.trainer.estimated_stepping_batches)))
+
+    def optimizer_and_schedule(self, total_steps: int) -> dict:
+        """AdamW (no weight decay on vectors) and the warm-up + cosine schedule over ``total_steps`` optimiser
+        steps, in Lightning's ``configure_optimizers`` format (an emulation of many ranks steps them itself)."""
         cfg = self.optim_config
         decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
@@ -355,6 +360,5 @@ class SparseQwen(L.LightningModule):
             lr=cfg.lr,
             betas=cfg.betas,
         )
-        total_steps = max(1, int(self.trainer.estimated_stepping_batches))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: cfg.lr_factor(step, total_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

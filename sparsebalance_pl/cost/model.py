@@ -106,16 +106,27 @@ class CostModel:
         latency: the latency model (``LatencyModel.from_file``, the profiler, or ``LatencyModel.analytic``).
         density: the density estimator for sparse attention; None when attention is dense.
         speed_smoothing: weight of each new measurement in a rank's speed, in (0, 1].
+        warmup_steps: the first steps each process observes teach densities but no times: they run slower
+            (lazy initialisation, allocator growth, first kernel launches; measured 1.4-2x in the worked
+            example), and learning from them moved predictions, and DST's anchor, by up to 2x and back.
     """
 
     def __init__(
-        self, latency: LatencyModel, density: DensityEstimator | None = None, *, speed_smoothing: float = 0.3
+        self,
+        latency: LatencyModel,
+        density: DensityEstimator | None = None,
+        *,
+        speed_smoothing: float = 0.3,
+        warmup_steps: int = 1,
     ) -> None:
         if not 0.0 < speed_smoothing <= 1.0:
             raise ValueError(f"speed_smoothing={speed_smoothing} must lie in (0, 1]")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
         self.latency = latency
         self.density = density
         self.speed_smoothing = speed_smoothing
+        self.warmup_left = warmup_steps  # per process: not checkpointed, a resumed process warms up again
         self.log_speeds = np.zeros(0)
         self.error = UNCALIBRATED_ERROR
         self.steps_observed = 0
@@ -155,7 +166,8 @@ class CostModel:
         Each rank's speed follows its measured over predicted attention time relative to the other ranks';
         the latency model is calibrated on each rank's time at the nominal speed (each term's scale moving by
         at most ``MAX_STEP_CORRECTION`` per step); the density estimator learns each document's density at the
-        base budget; ``error`` follows how far the predictions made before this step were off.
+        base budget; ``error`` follows how far the predictions made before this step were off. Times of the
+        ``warmup_steps`` first steps are left out.
         """
         records = list(records)
         if len(records) != self.log_speeds.size:
@@ -167,6 +179,9 @@ class CostModel:
         predicted = nominal * np.exp(self.log_speeds)
         measured = np.array([r.report.attention_seconds for r in records], dtype=np.float64)
         valid = np.isfinite(measured) & (measured > 0) & (nominal > 0)
+        if self.warmup_left > 0:
+            self.warmup_left -= 1
+            valid[:] = False
         if valid.any():
             self._track_error(np.abs(np.log(measured[valid] / predicted[valid])))
         if valid.all():

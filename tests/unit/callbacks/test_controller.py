@@ -71,10 +71,11 @@ def test_anchor_moves_at_most_twice_per_step_from_a_wrong_prior():
     cost.error = 1.0
     truth = CostModel(LatencyModel(cost.latency.table.scaled([1.0, 10.0, 10.0, 1.0])))
     controller = DSTController(cost, BASE, p=0.1)
-    anchors = []
+    anchors, drifts = [], []
     for _ in range(12):
         decision = controller.plan(IMBALANCED)
         anchors.append(decision.anchor)
+        drifts.append(decision.anchor_drift)
         records = []
         for lengths, budget in zip(IMBALANCED, decision.ranks):
             density = float(cost.document_density(lengths).mean())
@@ -83,5 +84,13 @@ def test_anchor_moves_at_most_twice_per_step_from_a_wrong_prior():
         controller.learn(cost.observe(records))
     ratios = np.array(anchors[1:]) / np.array(anchors[:-1])
     assert ratios.max() <= 2.0 + 1e-9 and ratios.min() >= 0.5 - 1e-9
+    assert drifts[0] is None and np.allclose(drifts[1:], ratios)  # the same workload: the drift is the move
     assert anchors[-1] > 2 * anchors[0]  # and it did converge towards the slower truth
     assert cost.error < 0.5
+
+
+def test_anchor_drift_leaves_out_the_change_of_workload():
+    controller = DSTController(_cost(0.05), BASE, p=0.1)
+    small = controller.plan(BALANCED).anchor
+    decision = controller.plan(IMBALANCED)  # nothing learned in between
+    assert decision.anchor > 1.5 * small and decision.anchor_drift == pytest.approx(1.0)

@@ -11,9 +11,9 @@ from sparsebalance_pl.model import PRESETS
 LONG, SHORT = [4096], [512] * 8
 
 
-def _cost(sparse: bool = True) -> CostModel:
+def _cost(sparse: bool = True, warmup_steps: int = 0) -> CostModel:
     latency = LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16)
-    return CostModel(latency, DensityEstimator(block_size=64) if sparse else None)
+    return CostModel(latency, DensityEstimator(block_size=64) if sparse else None, warmup_steps=warmup_steps)
 
 
 def _record(cost: CostModel, lengths: list[int], density: float, slower: float = 1.0) -> StepRecord:
@@ -56,6 +56,16 @@ def test_calibration_corrects_a_wrong_table_and_learns_densities():
     after = abs(cost.timed_seconds(LONG, 0.3) / truth.timed_seconds(LONG, 0.3) - 1)
     assert before > 0.5 and after < 0.1
     assert cost.density.observed
+
+
+def test_warmup_steps_teach_densities_but_no_times():
+    cost, truth = _cost(warmup_steps=1), _cost()
+    scales = cost.latency.calibration.scales.copy()
+    cost.observe([_record(truth, LONG, 0.3, slower=3.0), _record(truth, SHORT, 0.3)])  # a slow first step
+    assert np.allclose(cost.latency.calibration.scales, scales) and cost.log_speeds.tolist() == [0.0, 0.0]
+    assert cost.steps_observed == 0 and cost.density.observed
+    cost.observe([_record(truth, LONG, 0.3, slower=3.0), _record(truth, SHORT, 0.3)])
+    assert cost.steps_observed == 1 and cost.speed(0) > cost.speed(1)
 
 
 def test_unmeasured_step_leaves_speeds_and_table_alone():

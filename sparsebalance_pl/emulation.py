@@ -1,0 +1,186 @@
+"""Synchronous data parallelism over N ranks, emulated on one device.
+
+A data-parallel step is sequential in effect: every rank runs forward and backward on its own micro-batch,
+gradients are averaged, one optimiser step follows, and the step lasts as long as its slowest rank. So N
+ranks can be measured on one device: run the N micro-batches of a step one after another, each with its own
+sparse-attention budget from the one ``DSTController`` every rank would run, time each alone (synchronised on
+a GPU), add the gradients under the global-token normalisation (``loss.globally_normalised_loss``) and take
+one optimiser step. The updates are those of a real N-rank run; the step's time is the slowest rank's
+measured compute plus the measured optimiser time. Not in it: the collectives and their overlap with compute
+(``allreduce_seconds`` estimates them apart, never folded into the step).
+
+The cost model learns from every emulated rank's record as it would from the all-gather of a real run, so its
+per-rank speeds, calibration and densities are the ones the real callback would have.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from lightning.pytorch import seed_everything
+
+from sparsebalance_pl.callbacks.controller import DSTController
+from sparsebalance_pl.cost import StepObservation, StepRecord
+from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
+from sparsebalance_pl.datamodules.packing import collate_packed
+from sparsebalance_pl.loss import IGNORE_INDEX
+from sparsebalance_pl.module import SparseQwen
+
+
+def build(args: Sequence[str]) -> tuple[SparseQwen, LongContextDataModule]:
+    """The model (configured, its latency table loaded or profiled as in ``fit``) and the data module (built,
+    connected to the model's cost model) that ``main.py fit *args`` would train, parsed and checked the same
+    way, with one device and nothing run. The weights are drawn after re-seeding with ``seed_everything``, so
+    every emulated variant starts from the same model."""
+    from sparsebalance_pl.cli import main  # the command line builds on the library, not the other way round
+
+    cli = main([*args, "--trainer.devices=1", "--trainer.strategy=auto", "--trainer.num_nodes=1"], run=False)
+    module, data = cli.model, cli.datamodule
+    module.trainer = data.trainer = cli.trainer
+    seed_everything(cli.config["seed_everything"], verbose=False)
+    module.configure_model()
+    module.to(cli.trainer.strategy.root_device)
+    module.setup("fit")
+    data.prepare_data()
+    data.connect(module.cost_model)
+    return module, data
+
+
+@dataclass(frozen=True)
+class EmulatedStep:
+    """One optimiser step of the emulated ranks.
+
+    Attributes:
+        rank_seconds: each rank's forward and backward, measured alone, over its micro-batches.
+        optimizer_seconds: gradient clipping, the optimiser and the schedule.
+        tokens: tokens of the step over all ranks (padding included, as the ranks compute them).
+        loss: mean loss per loss-bearing token over all ranks (what the real run logs as ``train/loss``).
+        lengths: per rank, per micro-batch, the documents' token counts (the batches the planner gave it).
+        observations: what the cost model made of each micro-batch round.
+    """
+
+    rank_seconds: list[float]
+    optimizer_seconds: float
+    tokens: int
+    loss: float
+    lengths: list[list[list[int]]]
+    observations: list[StepObservation]
+
+    @property
+    def seconds(self) -> float:
+        """The step as a real synchronous run would take it, collectives left out."""
+        return max(self.rank_seconds) + self.optimizer_seconds
+
+
+class EmulatedRanks:
+    """N data-parallel ranks of ``module`` run one after another on its device.
+
+    Args:
+        module: a configured ``SparseQwen`` (``configure_model`` done), trained in place.
+        num_ranks: how many ranks to emulate.
+        total_steps: optimiser steps of the run (the learning-rate schedule's length).
+        controller: DST's rule, shared by all ranks (None: the base budgets throughout).
+        gradient_clip: clip the global gradient norm to this, as ``trainer.gradient_clip_val`` does.
+    """
+
+    def __init__(
+        self,
+        module: SparseQwen,
+        num_ranks: int,
+        total_steps: int,
+        *,
+        controller: DSTController | None = None,
+        gradient_clip: float | None = None,
+    ) -> None:
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks={num_ranks} must be at least 1")
+        self.module, self.num_ranks, self.controller, self.gradient_clip = module, num_ranks, controller, gradient_clip
+        schedule = module.optimizer_and_schedule(total_steps)
+        self.optimizer = schedule["optimizer"]
+        self.scheduler = schedule["lr_scheduler"]["scheduler"]
+
+    def step(self, micro_batches: Sequence[Sequence[dict]]) -> EmulatedStep:
+        """One optimiser step over ``micro_batches[rank][micro]`` (packed batches, ``collate_packed``)."""
+        if len(micro_batches) != self.num_ranks:
+            raise ValueError(f"a step needs {self.num_ranks} ranks' micro-batches, got {len(micro_batches)}")
+        module, device = self.module, self.module.device
+        module.train()
+        rounds = len(micro_batches[0])
+        rank_seconds, loss_sum, loss_tokens, tokens, observations = [0.0] * self.num_ranks, 0.0, 0, 0, []
+        for m in range(rounds):
+            batches = [{k: v.to(device) for k, v in rank[m].items()} for rank in micro_batches]
+            lengths = [module.document_lengths(b) for b in batches]
+            decision = self.controller.plan(lengths) if self.controller is not None else None
+            # Lightning divides each micro-batch's loss by the accumulation; the ranks by the global token count.
+            round_tokens = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in batches)
+            scale = 1.0 / (max(round_tokens, 1) * rounds)
+            records = []
+            for rank, batch in enumerate(batches):
+                module.layer_budgets = decision.ranks[rank].budgets if decision else list(module.base_budgets)
+                seconds, rank_loss = _timed(device, lambda: _forward_backward(module, batch, scale))
+                rank_seconds[rank] += seconds
+                loss_sum += rank_loss
+                tokens += batch["input_ids"].shape[-1]
+                records.append(StepRecord(lengths[rank], module.sparsity_report()))
+            loss_tokens += round_tokens
+            observation = module.cost_model.observe(records)
+            if self.controller is not None:
+                self.controller.learn(observation)
+            observations.append(observation)
+        optimizer_seconds, _ = _timed(device, self._update)
+        all_lengths = [[module.document_lengths(mb) for mb in rank] for rank in micro_batches]
+        return EmulatedStep(rank_seconds, optimizer_seconds, tokens, loss_sum / max(loss_tokens, 1), all_lengths,
+                            observations)
+
+    def _update(self) -> None:
+        if self.gradient_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.gradient_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def epoch_batches(data: LongContextDataModule, num_ranks: int, epoch: int = 0) -> Iterator[list[list[dict]]]:
+    """Every step of the epoch the real planner makes for ``num_ranks`` ranks (the sampler of a real run, with
+    the data module's cost model), as ``[rank][micro]`` packed batches."""
+    items = data.items("train")
+    for step in data.train_plan(num_ranks, rank=0, epoch=epoch).plan():
+        yield [[collate_packed([items[i] for i in mb]) for mb in rank] for rank in step.micro_batches]
+
+
+@torch.no_grad()
+def validation_loss(module: SparseQwen, data: LongContextDataModule) -> float:
+    """Mean loss per loss-bearing token over the validation split, at the base budgets."""
+    was_training = module.training
+    module.eval()
+    total, count = 0.0, 0
+    for batch in data.val_dataloader():
+        loss_sum, num_tokens = module({k: v.to(module.device) for k, v in batch.items()})
+        total, count = total + float(loss_sum), count + int(num_tokens)
+    module.train(was_training)
+    return total / max(count, 1)
+
+
+def allreduce_seconds(parameters: int, num_ranks: int, bandwidth_gbps: float, bytes_per_value: int = 4) -> float:
+    """A ring all-reduce's time for the gradients (2 (N - 1) / N of their bytes through each rank's link at
+    ``bandwidth_gbps`` GB/s): the collective time an emulated step leaves out, estimated, not measured."""
+    return 2.0 * (num_ranks - 1) / num_ranks * parameters * bytes_per_value / (bandwidth_gbps * 1e9)
+
+
+def _forward_backward(module: SparseQwen, batch: dict, scale: float) -> float:
+    loss_sum, _ = module(batch)
+    (loss_sum * scale).backward()
+    return float(loss_sum.detach())
+
+
+def _timed(device: torch.device, work: Callable[[], object]) -> tuple[float, object]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = work()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start, result
