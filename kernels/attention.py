@@ -2,7 +2,10 @@
 
 Backends implement ``forward(q, k, v, layout, scale) -> (out, lse)`` and
 ``backward(q, k, v, out, lse, grad_out, layout, scale) -> (dq, dk, dv)``; the autograd wiring lives here
-once for all of them.
+once for all of them. ``lse`` is the natural-log log-sum-exp of each query's allowed scores (fp32, fp64 for
+fp64 inputs), -inf where nothing is allowed, head-major by token on every backend:
+``lse.reshape(Hq, -1)[:, :T]`` is [Hq, T]. The backward uses ``out`` only through rowsum(out * grad_out),
+which lets ring attention pass the merged output of all its steps.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Each program owns a sub-block of queries (forward, dq) or of keys (dk, dv) and w
 tiles: per query block the kept key blocks, and for dk/dv the transposed lists (per key block and query
 head the query blocks that kept it; fp32 partials per query head are summed over the KV group), so each
 output is written once without atomics and the gradients are deterministic. Causal and document masking is applied token by token inside each tile; softmax statistics are
-fp32 in base 2, and the log-sum-exp saved by the forward lets the backward recompute probabilities.
+fp32 in base 2 inside the kernels, while the log-sum-exp the forward stores (and the backward reads back to
+recompute probabilities) is natural-log like every backend's, so ring attention merges either backend's
+partial results the same way.
 Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (how the tests exercise it).
 """
 
@@ -16,7 +18,10 @@ import triton.language as tl
 
 from .layout import TileLayout
 
-_LOG2E = 1.4426950408889634
+# Kernel constants (Triton reads only constexpr globals): the stored natural-log lse times _LOG2E is the
+# kernels' base-2 lse, and a base-2 lse times _LN2 is natural-log.
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _load(ptrs, mask, UPCAST: tl.constexpr):
@@ -25,6 +30,14 @@ def _load(ptrs, mask, UPCAST: tl.constexpr):
     if UPCAST:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def _load_lse2(ptrs, mask):
+    """The stored natural-log lse in base 2, as the kernels' exp2 needs; rows with nothing allowed (-inf)
+    become +inf so their probabilities are 0."""
+    lse = tl.load(ptrs, mask=mask, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
 
 
 @triton.jit
@@ -81,8 +94,8 @@ def _fwd_kernel(
     has_keys = row_sum > 0
     out = acc / tl.where(has_keys, row_sum, 1.0)[:, None]
     tl.store(O + q_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
-    lse = tl.where(has_keys, row_max + tl.log2(tl.where(has_keys, row_sum, 1.0)), float("-inf"))
-    tl.store(LSE + head * T + offs_m, lse, mask=m_ok)
+    lse2 = row_max + tl.log2(tl.where(has_keys, row_sum, 1.0))
+    tl.store(LSE + head * T + offs_m, tl.where(has_keys, lse2 * _LN2, float("-inf")), mask=m_ok)
 
 @triton.jit
 def _dq_kernel(
@@ -105,8 +118,7 @@ def _dq_kernel(
     q = _load(Q + q_ptrs, q_mask, UPCAST)
     do = _load(DO + q_ptrs, q_mask, UPCAST)
     doc_q = tl.load(DOC + offs_m, mask=m_ok, other=-1)
-    lse = tl.load(LSE + head * T + offs_m, mask=m_ok, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)  # nothing allowed: probabilities are 0
+    lse = _load_lse2(LSE + head * T + offs_m, m_ok)
     delta = tl.load(DELTA + head * T + offs_m, mask=m_ok, other=0.0)
     kv = K + (head // GROUP) * stride_kh
     vv = V + (head // GROUP) * stride_kh
@@ -164,8 +176,7 @@ def _dkdv_kernel(
             q = _load(Q + q_ptrs, q_mask, UPCAST)
             do = _load(DO + q_ptrs, q_mask, UPCAST)
             doc_q = tl.load(DOC + offs_m, mask=m_ok, other=-1)
-            lse = tl.load(LSE + head * T + offs_m, mask=m_ok, other=float("inf"))
-            lse = tl.where(lse == float("-inf"), float("inf"), lse)
+            lse = _load_lse2(LSE + head * T + offs_m, m_ok)
             delta = tl.load(DELTA + head * T + offs_m, mask=m_ok, other=0.0)
             p = tl.exp2(_scores(q, k, offs_m, offs_n, doc_q, doc_k, qk_scale, PRECISION) - lse[:, None])
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
@@ -202,7 +213,7 @@ def _check_dtype(q: torch.Tensor) -> None:
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TileLayout, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output [T, Hq, D] in q's dtype and the base-2 log-sum-exp [Hq, T] (-inf on rows with no key)."""
+    """Output [T, Hq, D] in q's dtype and the natural-log log-sum-exp [Hq, T] (-inf on rows with no key)."""
     _check_dtype(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     num_tokens, num_q_heads, _ = q.shape
@@ -212,7 +223,7 @@ def forward(
     grid = (layout.num_blocks * (layout.block_size // meta["BLOCK_M"]), num_q_heads)
     _fwd_kernel[grid](
         q, k, v, out, lse, layout.doc.to(torch.int32), layout.row_ptr.to(torch.int32), layout.tile_col.to(torch.int32),
-        scale * _LOG2E, num_tokens, layout.num_blocks, *_strides(q, k), **meta,
+        scale * _LOG2E.value, num_tokens, layout.num_blocks, *_strides(q, k), **meta,
     )
     return out, lse
 
@@ -233,7 +244,7 @@ def backward(
     doc = layout.doc.to(torch.int32)
     dq = torch.empty_like(q)
     meta = _launch_meta(q, layout)
-    common = (scale * _LOG2E, scale, num_tokens, layout.num_blocks, *_strides(q, k))
+    common = (scale * _LOG2E.value, scale, num_tokens, layout.num_blocks, *_strides(q, k))
     grid_q = (layout.num_blocks * (layout.block_size // meta["BLOCK_M"]), num_q_heads)
     _dq_kernel[grid_q](
         q, k, v, grad_out, dq, lse, delta, doc, layout.row_ptr.to(torch.int32), layout.tile_col.to(torch.int32),

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from main_runner import REPO
 
 from sparsebalance_pl.kernels import block_sparse_attention, reference_block_sparse_attention
-from sparsebalance_pl.kernels.layout import forced_tiles, token_doc_ids
+from sparsebalance_pl.kernels.attention import _implementation
+from sparsebalance_pl.kernels.layout import TileLayout, forced_tiles, pair_mask, token_doc_ids
 
 TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = [
@@ -130,6 +131,35 @@ def test_half_precision_inputs(backend, dtype):
     assert relative_error(out, ref) <= 2e-2
     out.float().sum().backward()
     assert all(x.grad.dtype == dtype and torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def reference_lse(q, k, mask, cu, block_size, scale):
+    """fp64 logsumexp over each query's allowed keys, [Hq, T] (-inf where nothing is allowed)."""
+    num_tokens, num_q_heads, _ = q.shape
+    allowed = pair_mask(token_doc_ids(cu, num_tokens), torch.arange(num_tokens), block_size, mask)
+    kd = k.double().repeat_interleave(num_q_heads // k.shape[1], dim=1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ kd.transpose(1, 2) * scale
+    return scores.masked_fill(~allowed, float("-inf")).logsumexp(dim=-1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_tokens", [64, 75])  # whole blocks, and a partial last block
+def test_forward_lse_is_natural_log(backend, num_tokens):
+    """Every backend's forward returns the natural-log lse of each query's allowed scores (what ring
+    attention merges partial results with), -inf where nothing is allowed."""
+    q, k, v, mask, cu = packed_case(4, num_tokens, 4, 2, 16, 16, keep=0.4, always_kept=False)
+    mask[1, 2] = False  # head 1, query block 2 sees nothing
+    scale = 16**-0.5
+    want = reference_lse(q, k, mask, cu, 16, scale)
+    device = device_for(backend)
+    q, k, v, mask, cu = (x.to(device) for x in (q, k, v, mask, cu))
+    layout = TileLayout.build(mask, cu, k.shape[1], 16)
+    _, lse = _implementation(backend).forward(q, k, v, layout, scale)
+    got = lse.reshape(q.shape[1], -1)[:, :num_tokens].cpu()  # the layout every backend shares
+    empty = torch.isneginf(want)
+    assert empty[1, 32:48].all()
+    assert torch.equal(torch.isneginf(got), empty)
+    torch.testing.assert_close(got[~empty].double(), want[~empty], rtol=1e-6, atol=1e-5)
 
 
 def test_invalid_arguments_raise_clear_errors():
