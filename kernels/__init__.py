@@ -1,4 +1,4 @@
-"""Sparse attention kernels: block selection and block-sparse attention.
+"""Sparse attention kernels: block selection, block-sparse attention and its context-parallel ring.
 
 Importing this package imports neither torch nor triton: transformers imports any importable top-level
 ``kernels`` package when ``python main.py`` runs from the repository root, so the public names are
@@ -19,6 +19,9 @@ _EXPORTS = {
     "BudgetedSelection": ".selection",
     "reference_block_sparse_attention": ".reference",
     "attention_recall": ".recall",
+    "context_shard": ".ring",
+    "context_unshard": ".ring",
+    "sparse_ring_attention": ".ring",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -3,10 +3,10 @@
 Each program owns a sub-block of queries (forward, dq) or of keys (dk, dv) and walks a CSR list of kept
 tiles: per query block the kept key blocks, and for dk/dv the transposed lists (per key block and query
 head the query blocks that kept it; fp32 partials per query head are summed over the KV group), so each
-output is written once without atomics and the gradients are deterministic. Causal and document masking is applied token by token inside each tile; softmax statistics are
-fp32 in base 2 inside the kernels, while the log-sum-exp the forward stores (and the backward reads back to
-recompute probabilities) is natural-log like every backend's, so ring attention merges either backend's
-partial results the same way.
+output is written once without atomics and the gradients are deterministic. Causal and document masking
+is applied token by token inside each tile; softmax statistics are fp32 in base 2 inside the kernels, while
+the log-sum-exp the forward stores (and the backward reads back to recompute probabilities) is natural-log
+like every backend's, so ring attention merges either backend's partial results the same way.
 Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (how the tests exercise it).
 """
 

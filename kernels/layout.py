@@ -44,6 +44,27 @@ def check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
         raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
 
 
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q [T, Hq, D], k and v [T, Hkv, D] of one floating dtype on one device."""
+    check_qk(q, k)
+    if v.shape != k.shape or v.device != k.device:
+        raise ValueError(f"v {tuple(v.shape)} must match k {tuple(k.shape)} in shape and device")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def check_block_mask(block_mask: torch.Tensor, num_q_heads: int, num_tokens: int, block_size: int, device) -> None:
+    """block_mask: bool [Hq, ceil(T/B), ceil(T/B)] on ``device``."""
+    nb = num_blocks(num_tokens, block_size)
+    if block_mask.dtype != torch.bool or tuple(block_mask.shape) != (num_q_heads, nb, nb):
+        raise ValueError(
+            f"block_mask must be bool [Hq, ceil(T/B), ceil(T/B)] = [{num_q_heads}, {nb}, {nb}], "
+            f"got {block_mask.dtype} {tuple(block_mask.shape)}"
+        )
+    if block_mask.device != device:
+        raise ValueError(f"block_mask is on {block_mask.device}, q on {device}")
+
+
 def check_attention_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -54,19 +75,8 @@ def check_attention_inputs(
 ) -> None:
     """The argument contract of ``block_sparse_attention``."""
     check_power_of_two("block_size", block_size)
-    check_qk(q, k)
-    if v.shape != k.shape or v.device != k.device:
-        raise ValueError(f"v {tuple(v.shape)} must match k {tuple(k.shape)} in shape and device")
-    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
-        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    nb = num_blocks(q.shape[0], block_size)
-    if block_mask.dtype != torch.bool or tuple(block_mask.shape) != (q.shape[1], nb, nb):
-        raise ValueError(
-            f"block_mask must be bool [Hq, ceil(T/B), ceil(T/B)] = [{q.shape[1]}, {nb}, {nb}], "
-            f"got {block_mask.dtype} {tuple(block_mask.shape)}"
-        )
-    if block_mask.device != q.device:
-        raise ValueError(f"block_mask is on {block_mask.device}, q on {q.device}")
+    check_qkv(q, k, v)
+    check_block_mask(block_mask, q.shape[1], q.shape[0], block_size, q.device)
     check_cu_seqlens(cu_seqlens, q.shape[0])
 
 
@@ -94,6 +104,11 @@ def candidate_tiles(doc: torch.Tensor, block_size: int) -> torch.Tensor:
     n = first.numel()
     causal = torch.ones(n, n, dtype=torch.bool, device=doc.device).tril_()
     return causal & (first[:, None] <= last[None, :])
+
+
+def striped_blocks(num_blocks: int, world_size: int, rank: int, device=None) -> torch.Tensor:
+    """The blocks a rank holds in the block-striped layout of context parallelism: rank, rank + W, ..."""
+    return torch.arange(rank, num_blocks, world_size, device=device)
 
 
 def forced_tiles(doc: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -151,19 +166,75 @@ class TileLayout:
 
     @staticmethod
     def build(block_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_kv_heads: int, block_size: int) -> "TileLayout":
-        num_q_heads, nb, _ = block_mask.shape
         num_tokens = int(cu_seqlens[-1])
         doc = token_doc_ids(cu_seqlens.to(block_mask.device), num_tokens)
+        blocks = torch.arange(block_mask.shape[1], device=block_mask.device)
         kept = block_mask & candidate_tiles(doc, block_size)
-        head, qb, kb = kept.nonzero(as_tuple=True)
-        row = head * nb + qb
+        return TileLayout._from_tiles(kept, doc, doc, blocks, blocks, num_kv_heads, block_size)
+
+    @staticmethod
+    def build_ring_step(
+        block_mask: torch.Tensor | None,
+        doc: torch.Tensor,
+        num_q_heads: int,
+        num_kv_heads: int,
+        block_size: int,
+        *,
+        world_size: int,
+        rank: int,
+        source: int,
+    ) -> "TileLayout":
+        """One step of block-striped ring attention: ``rank``'s query blocks (global blocks rank, rank + W, ...)
+        against ``source``'s key blocks, with causality, documents (``doc``, the global token document ids) and
+        ``block_mask`` [Hq, nB, nB] (None: every causal block) in global coordinates.
+
+        The backends test causality on stream positions and documents with one ``doc`` array, so the layout's
+        stream is the rank's own shard when source == rank (the diagonal blocks need token-level causality),
+        and otherwise source's shard followed by the rank's, keys then queries: every kept key block then
+        precedes its query block globally and in the stream. Callers place tensors in that stream.
+        """
+        nb = num_blocks(doc.numel(), block_size)
+        q_blocks, k_blocks = (striped_blocks(nb, world_size, r, doc.device) for r in (rank, source))
+        first, last = group_doc_range(doc, block_size)
+        causal = k_blocks[None, :] <= q_blocks[:, None]
+        kept = causal & (first[q_blocks][:, None] <= last[k_blocks][None, :])
+        if block_mask is not None:
+            kept = kept & block_mask[:, q_blocks][:, :, k_blocks]
+        blocked = doc.view(nb, block_size)
+        q_doc, k_doc = blocked[q_blocks].flatten(), blocked[k_blocks].flatten()
+        stream_doc = q_doc if source == rank else torch.cat([k_doc, q_doc])
+        return TileLayout._from_tiles(
+            kept.expand(num_q_heads, -1, -1), stream_doc, doc, q_blocks, k_blocks, num_kv_heads, block_size
+        )
+
+    @staticmethod
+    def _from_tiles(
+        kept: torch.Tensor,
+        stream_doc: torch.Tensor,
+        doc: torch.Tensor,
+        q_blocks: torch.Tensor,
+        k_blocks: torch.Tensor,
+        num_kv_heads: int,
+        block_size: int,
+    ) -> "TileLayout":
+        """CSR lists of ``kept`` [Hq, nQ, nK]: query blocks ``q_blocks`` against key blocks ``k_blocks`` of the
+        stream whose documents are ``doc``, laid out in a stream with documents ``stream_doc`` whose last nQ
+        blocks are the query blocks and whose first nK blocks are the key blocks (the same blocks when the
+        stream is the whole one)."""
+        num_q_heads = kept.shape[0]
+        nb = num_blocks(stream_doc.numel(), block_size)
+        head, i, j = kept.nonzero(as_tuple=True)
+        row = head * nb + (nb - q_blocks.numel()) + i
         counts = torch.bincount(row, minlength=num_q_heads * nb)
         row_ptr = torch.zeros(num_q_heads * nb + 1, dtype=torch.long, device=row.device)
         torch.cumsum(counts, 0, out=row_ptr[1:])
         first, last = group_doc_range(doc, block_size)
+        qb, kb = q_blocks[i], k_blocks[j]
         single_doc = first[kb] == last[qb]  # blocks kb..qb all inside one document
         partial = (qb == kb) | ~single_doc
-        return TileLayout(num_tokens, block_size, nb, num_q_heads, num_kv_heads, doc, row_ptr, row, kb, partial)
+        return TileLayout(
+            stream_doc.numel(), block_size, nb, num_q_heads, num_kv_heads, stream_doc, row_ptr, row, j, partial
+        )
 
     @property
     def group_size(self) -> int:

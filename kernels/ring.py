@@ -1,0 +1,276 @@
+"""Context parallelism: block-sparse attention over one packed stream shared by a group of W ranks.
+
+Layout (MTraining's balanced sparse ring attention): block-striped, rank r holds global blocks r, r + W,
+r + 2W, ... of B tokens, so every rank's rows and every ring step's columns are a stride-W sample of the
+global mask, and local windows, sinks and vertical stripes spread evenly over ranks and steps.
+
+At ring step t a rank attends its queries to the K/V of source (r - t) mod W with one call of an existing
+backend on the step's tile layout (``TileLayout.build_ring_step``: causality, documents and the selected
+block mask in global coordinates), and merges the step's output into a running fp32 result through the
+natural-log log-sum-exp. K/V travel one rank forward per step; every rank posts the same sends and
+receives at every step whatever its tiles, so a step with nothing kept skips compute, never communication.
+
+Backward: each step's tiles are recomputed against the merged output. The backends' backward takes the
+lse of their own forward on the layout, and uses ``out`` only through rowsum(out * grad_out): given the
+step's lse, the merged output and grad_out scaled per row by exp(lse_step - lse), the share of the merged
+softmax this step holds, it returns exactly this step's part of the merged gradients. dQ accumulates
+locally; fp32 dK/dV partials travel the ring one step behind K/V and reach their owner after W steps.
+Only the rank's own K/V are saved for the backward, which sends them round again; besides q, k, v and the
+merged output and lse, a rank saves one lse [Hq, T/W] per ring step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from .attention import _implementation, resolve_backend
+from .layout import (
+    TileLayout,
+    check_block_mask,
+    check_cu_seqlens,
+    check_power_of_two,
+    check_qkv,
+    striped_blocks,
+    token_doc_ids,
+)
+
+_KV_TAG, _GRAD_TAG = 0, 1  # K/V and travelling dK/dV share a link in the backward: keep them apart
+
+
+def context_shard(x: torch.Tensor, *, world_size: int, rank: int, block_size: int) -> torch.Tensor:
+    """This rank's rows of the packed stream ``x`` (tokens on dim 0) in the block-striped layout: blocks
+    rank, rank + W, ... of ``block_size`` tokens, [T / W, ...]."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if x.shape[0] % (world_size * block_size):
+        raise ValueError(
+            f"x has {x.shape[0]} tokens, not a multiple of world_size * block_size = {world_size * block_size}: "
+            "pad the stream with a padding document first"
+        )
+    nb = x.shape[0] // block_size
+    blocks = x.reshape(nb, block_size, *x.shape[1:])
+    return blocks[striped_blocks(nb, world_size, rank, x.device)].reshape(-1, *x.shape[1:])
+
+
+def context_unshard(shards: Sequence[torch.Tensor], *, block_size: int) -> torch.Tensor:
+    """The packed stream from every rank's ``context_shard`` rows, in rank order (inverse of the striping)."""
+    if len(shards) == 0:
+        raise ValueError("shards must hold one tensor per rank, got none")
+    shape = shards[0].shape
+    if any(s.shape != shape for s in shards):
+        raise ValueError(f"shards must share one shape, got {[tuple(s.shape) for s in shards]}")
+    if not isinstance(block_size, int) or block_size < 1 or shape[0] % block_size:
+        raise ValueError(f"block_size must be a positive int dividing the shard length {shape[0]}, got {block_size!r}")
+    blocks = [s.reshape(shape[0] // block_size, block_size, *shape[1:]) for s in shards]
+    return torch.stack(blocks, dim=1).reshape(-1, *shape[1:])
+
+
+@dataclass
+class _Ring:
+    """The group, this rank's place in it, and one tile layout per ring step (K/V from (rank - t) mod W)."""
+
+    group: dist.ProcessGroup | None
+    world_size: int
+    rank: int
+    layouts: list[TileLayout]
+
+
+class _Transfer:
+    """A tensor on its way to the next rank while the previous rank's arrives; in a ring of one the tensor
+    comes straight back. Holds the sent tensor until the transfer is done."""
+
+    def __init__(self, ring: _Ring, tensor: torch.Tensor, tag: int) -> None:
+        self.ring, self.sent = ring, tensor
+        if ring.world_size == 1:
+            self.received, self.requests = tensor, []
+            return
+        self.received = torch.empty_like(tensor)
+        self.requests = [
+            dist.isend(tensor, group=ring.group, group_dst=(ring.rank + 1) % ring.world_size, tag=tag),
+            dist.irecv(self.received, group=ring.group, group_src=(ring.rank - 1) % ring.world_size, tag=tag),
+        ]
+
+    def wait(self, step: int, what: str) -> torch.Tensor:
+        try:
+            for request in self.requests:
+                request.wait()
+        except RuntimeError as err:
+            previous = (self.ring.rank - 1) % self.ring.world_size
+            raise RuntimeError(
+                f"ring attention: rank {self.ring.rank} got no {what} from rank {previous} at ring step {step}: {err}"
+            ) from err
+        return self.received
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _as_queries(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
+    """Rows of this rank's queries placed in a step's stream, where they are the last tokens."""
+    pad = layout.num_tokens - x.shape[0]
+    return torch.cat([x.new_zeros(pad, *x.shape[1:]), x]) if pad else x
+
+
+def _as_keys(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
+    """Rows of the visiting keys placed in a step's stream, where they are the first tokens."""
+    pad = layout.num_tokens - x.shape[0]
+    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+
+
+def _query_lse(lse: torch.Tensor, layout: TileLayout, num_local: int) -> torch.Tensor:
+    """A backend's lse of a step's stream -> [Hq, T/W] of this rank's queries."""
+    return lse.reshape(layout.num_q_heads, -1)[:, layout.num_tokens - num_local : layout.num_tokens]
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, out_step: torch.Tensor, lse_step: torch.Tensor) -> None:
+    """In place, out [T, Hq, D] and lse [Hq, T] absorb one step's partial attention. A row with no keys on
+    either side (lse -inf) keeps out and lse, where exp(lse_step - merged) alone would give NaN."""
+    merged = torch.logaddexp(lse, lse_step)
+    weight = torch.where(torch.isneginf(merged), 0.0, torch.exp(lse_step - merged))
+    out.add_(weight.t().unsqueeze(-1) * (out_step.to(out.dtype) - out))
+    lse.copy_(merged)
+
+
+def _forward(ring: _Ring, impl, q, k, v, scale):
+    """Returns the merged output in q's dtype, the merged lse [Hq, T/W] and each step's lse (None where the
+    step kept no tile)."""
+    acc = _accumulation_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
+    step_lse = []
+    kv = torch.stack([k, v])  # one message per step
+    for step, layout in enumerate(ring.layouts):
+        last = step == ring.world_size - 1
+        if not last:
+            transfer = _Transfer(ring, kv, _KV_TAG)
+        if layout.tile_col.numel():
+            out_step, lse_step = impl.forward(_as_queries(q, layout), _as_keys(kv[0], layout),
+                                              _as_keys(kv[1], layout), layout, scale)
+            lse_step = _query_lse(lse_step, layout, q.shape[0]).contiguous()  # saved: not the stream's
+            _merge(out, lse, out_step[layout.num_tokens - q.shape[0] :], lse_step)
+            step_lse.append(lse_step)
+        else:
+            step_lse.append(None)
+        if not last:
+            kv = transfer.wait(step, "K/V")
+    return out.to(q.dtype), lse, step_lse
+
+
+def _step_backward(impl, layout, q, kv, out, lse, lse_step, grad_out, scale):
+    """One step's (dq [T/W, Hq, D], dk and dv stacked [2, T/W, Hkv, D]) of the merged attention's gradients."""
+    local = q.shape[0]
+    share = torch.where(torch.isneginf(lse_step), 0.0, torch.exp(lse_step - lse))  # [Hq, T/W]
+    grad_step = (grad_out * share.t().unsqueeze(-1)).to(grad_out.dtype)
+    stream_lse = lse_step.new_full((layout.num_q_heads, layout.num_tokens), float("-inf"))
+    stream_lse[:, layout.num_tokens - local :] = lse_step  # the backends' lse layout, queries last
+    dq, dk, dv = impl.backward(
+        _as_queries(q, layout), _as_keys(kv[0], layout), _as_keys(kv[1], layout), _as_queries(out, layout),
+        stream_lse, _as_queries(grad_step, layout), layout, scale,
+    )
+    return dq[layout.num_tokens - local :], torch.stack([dk[:local], dv[:local]])
+
+
+def _backward(ring: _Ring, impl, q, k, v, out, lse, step_lse, grad_out, scale):
+    acc = _accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = torch.stack([k, v])
+    for step, (layout, lse_step) in enumerate(zip(ring.layouts, step_lse)):
+        last = step == ring.world_size - 1
+        if not last:
+            transfer = _Transfer(ring, kv, _KV_TAG)
+        partial = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        if lse_step is not None:
+            dq_step, dkv_step = _step_backward(impl, layout, q, kv, out, lse, lse_step, grad_out, scale)
+            dq += dq_step
+            partial += dkv_step
+        if step:  # the partials of this step's K/V owner, from the ranks it visited before
+            partial += grads.wait(step - 1, "dK/dV")
+        grads = _Transfer(ring, partial, _GRAD_TAG)  # after the last step this reaches the owner
+        if not last:
+            kv = transfer.wait(step, "K/V")
+    dkv = grads.wait(ring.world_size - 1, "dK/dV")
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring, impl, scale):
+        out, lse, step_lse = _forward(ring, impl, q, k, v, scale)
+        ctx.save_for_backward(q, k, v, out, lse, *(x for x in step_lse if x is not None))
+        ctx.ring, ctx.impl, ctx.scale = ring, impl, scale
+        ctx.kept_steps = [x is not None for x in step_lse]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        saved = iter(saved)
+        step_lse = [next(saved) if kept else None for kept in ctx.kept_steps]
+        dq, dk, dv = _backward(ctx.ring, ctx.impl, q, k, v, out, lse, step_lse, grad_out.contiguous(), ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def _group_place(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(world size, rank) of the group; without a process group, a ring of one."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the context-parallel group it passed")
+    return dist.get_world_size(group), rank
+
+
+def sparse_ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    block_size: int,
+    group: dist.ProcessGroup | None = None,
+    block_mask: torch.Tensor | None = None,
+    backend: str = "auto",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``block_sparse_attention`` of a packed stream held block-striped by the ranks of ``group``.
+
+    q [T/W, Hq, D], k and v [T/W, Hkv, D]: this rank's ``context_shard`` rows of a stream of T tokens (T a
+    multiple of W * block_size); cu_seqlens: the stream's global int32 [docs + 1]; block_mask: the global bool
+    [Hq, T/B, T/B], None for every causal block (dense ring attention from the same code). ``group``: the
+    context-parallel process group (None: the default group, or a ring of one without a process group).
+    Returns this rank's output rows [T/W, Hq, D], differentiable in q, k and v; gathered with
+    ``context_unshard`` they equal ``block_sparse_attention`` on the whole stream. Every rank of the group
+    must call it with the same cu_seqlens and block_mask.
+    """
+    world_size, rank = _group_place(group)
+    check_power_of_two("block_size", block_size)
+    check_qkv(q, k, v)
+    if q.shape[0] % block_size:
+        raise ValueError(
+            f"q holds {q.shape[0]} tokens, not a multiple of block_size {block_size}: shard with context_shard "
+            f"a stream padded to a multiple of world_size * block_size = {world_size * block_size}"
+        )
+    num_tokens = q.shape[0] * world_size
+    check_cu_seqlens(cu_seqlens, num_tokens)
+    if block_mask is not None:
+        check_block_mask(block_mask, q.shape[1], num_tokens, block_size, q.device)
+    impl = _implementation(resolve_backend(backend, q.device))
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    doc = token_doc_ids(cu_seqlens.to(q.device), num_tokens)
+    layouts = [
+        TileLayout.build_ring_step(block_mask, doc, q.shape[1], k.shape[1], block_size,
+                                   world_size=world_size, rank=rank, source=(rank - step) % world_size)
+        for step in range(world_size)
+    ]
+    return _RingAttention.apply(q, k, v, _Ring(group, world_size, rank, layouts), impl, scale)
