@@ -25,6 +25,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from sparsebalance_pl.callbacks import DynamicSparsityTuning
 from sparsebalance_pl.cost.profiler import profile_hardware
+from sparsebalance_pl.convert import convert
 from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
 from sparsebalance_pl.distributed import leave_process_group
 from sparsebalance_pl.errors import ConfigError, DataError, TrainingError
@@ -178,7 +179,7 @@ def export(ckpt_path: str, out_dir: str) -> Path:
     return out
 
 
-COMMANDS: dict[str, Callable[..., Path]] = {"profile": profile, "export": export}
+COMMANDS: dict[str, Callable[..., Path]] = {"profile": profile, "export": export, "convert": convert}
 """Subcommands besides Lightning's, by name; a new one is one more entry. A parameter named after a configuration
 section (``_SECTIONS``) receives it, built; the others are the command's settings (``--name``), documented in its
 docstring, whose first line is the command's help."""
