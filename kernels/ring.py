@@ -17,6 +17,10 @@ softmax this step holds, it returns exactly this step's part of the merged gradi
 locally; fp32 dK/dV partials travel the ring one step behind K/V and reach their owner after W steps.
 Only the rank's own K/V are saved for the backward, which sends them round again; besides q, k, v and the
 merged output and lse, a rank saves one lse [Hq, T/W] per ring step.
+
+A hierarchical ring (``node_size``) nests the same schedule: an inner ring within each node, and between
+inner rings the K/V (forward) and the node's summed dK/dV partials (backward) move one node on, their
+transfers overlapping a whole inner ring. A flat ring is one node.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from .layout import (
     token_doc_ids,
 )
 
-_KV_TAG, _GRAD_TAG = 0, 1  # K/V and travelling dK/dV share a link in the backward: keep them apart
+# Tags keep apart the messages that share a link: K/V and travelling dK/dV, on the inner and outer rings.
+_KV_TAG, _GRAD_TAG, _OUTER_KV_TAG, _OUTER_GRAD_TAG = 0, 1, 2, 3
 
 
 def context_shard(x: torch.Tensor, *, world_size: int, rank: int, block_size: int) -> torch.Tensor:
@@ -76,27 +81,46 @@ def context_unshard(shards: Sequence[torch.Tensor], *, block_size: int) -> torch
 
 @dataclass
 class _Ring:
-    """The group, this rank's place in it, and one tile layout per ring step (K/V from (rank - t) mod W)."""
+    """The group, this rank's place in it as (node, local rank) with ``node_size`` neighbouring ranks per
+    node, and one tile layout per step in schedule order: outer step o over nodes, inner step i within the
+    node, K/V of rank ((node - o) mod N) * L + (local - i) mod L. A flat ring is one node of W ranks."""
 
     group: dist.ProcessGroup | None
     world_size: int
     rank: int
+    node_size: int
     layouts: list[TileLayout]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.node_size
+
+    def source(self, outer: int, inner: int) -> int:
+        node, local = divmod(self.rank, self.node_size)
+        return (node - outer) % self.num_nodes * self.node_size + (local - inner) % self.node_size
+
+    def link(self, outer: bool) -> tuple[int, int]:
+        """(next, previous) rank on the inner ring (within the node) or the outer one (same local rank)."""
+        node, local = divmod(self.rank, self.node_size)
+        if outer:
+            return tuple((node + d) % self.num_nodes * self.node_size + local for d in (1, -1))
+        return tuple(node * self.node_size + (local + d) % self.node_size for d in (1, -1))
 
 
 class _Transfer:
-    """A tensor on its way to the next rank while the previous rank's arrives; in a ring of one the tensor
-    comes straight back. Holds the sent tensor until the transfer is done."""
+    """A tensor on its way to the next rank of a link while the previous rank's arrives; on a link of one
+    rank the tensor comes straight back. Holds the sent tensor until the transfer is done."""
 
-    def __init__(self, ring: _Ring, tensor: torch.Tensor, tag: int) -> None:
-        self.ring, self.sent = ring, tensor
-        if ring.world_size == 1:
+    def __init__(self, ring: _Ring, tensor: torch.Tensor, tag: int, outer: bool = False) -> None:
+        self.rank, self.sent = ring.rank, tensor
+        destination, self.source = ring.link(outer)
+        if destination == ring.rank:
             self.received, self.requests = tensor, []
             return
         self.received = torch.empty_like(tensor)
         self.requests = [
-            dist.isend(tensor, group=ring.group, group_dst=(ring.rank + 1) % ring.world_size, tag=tag),
-            dist.irecv(self.received, group=ring.group, group_src=(ring.rank - 1) % ring.world_size, tag=tag),
+            dist.isend(tensor, group=ring.group, group_dst=destination, tag=tag),
+            dist.irecv(self.received, group=ring.group, group_src=self.source, tag=tag),
         ]
 
     def wait(self, step: int, what: str) -> torch.Tensor:
@@ -104,9 +128,8 @@ class _Transfer:
             for request in self.requests:
                 request.wait()
         except RuntimeError as err:
-            previous = (self.ring.rank - 1) % self.ring.world_size
             raise RuntimeError(
-                f"ring attention: rank {self.ring.rank} got no {what} from rank {previous} at ring step {step}: {err}"
+                f"ring attention: rank {self.rank} got no {what} from rank {self.source} at ring step {step}: {err}"
             ) from err
         return self.received
 
@@ -148,21 +171,30 @@ def _forward(ring: _Ring, impl, q, k, v, scale):
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
     step_lse = []
-    kv = torch.stack([k, v])  # one message per step
-    for step, layout in enumerate(ring.layouts):
-        last = step == ring.world_size - 1
-        if not last:
-            transfer = _Transfer(ring, kv, _KV_TAG)
-        if layout.tile_col.numel():
-            out_step, lse_step = impl.forward(_as_queries(q, layout), _as_keys(kv[0], layout),
-                                              _as_keys(kv[1], layout), layout, scale)
-            lse_step = _query_lse(lse_step, layout, q.shape[0]).contiguous()  # saved: not the stream's
-            _merge(out, lse, out_step[layout.num_tokens - q.shape[0] :], lse_step)
-            step_lse.append(lse_step)
-        else:
-            step_lse.append(None)
-        if not last:
-            kv = transfer.wait(step, "K/V")
+    outer_kv = torch.stack([k, v])  # one message per step
+    steps = iter(enumerate(ring.layouts))
+    for outer in range(ring.num_nodes):
+        last_outer = outer == ring.num_nodes - 1
+        if not last_outer:  # the next node's K/V arrive while the whole inner ring computes
+            outer_transfer = _Transfer(ring, outer_kv, _OUTER_KV_TAG, outer=True)
+        kv = outer_kv
+        for inner in range(ring.node_size):
+            step, layout = next(steps)
+            last = inner == ring.node_size - 1
+            if not last:
+                transfer = _Transfer(ring, kv, _KV_TAG)
+            if layout.tile_col.numel():
+                out_step, lse_step = impl.forward(_as_queries(q, layout), _as_keys(kv[0], layout),
+                                                  _as_keys(kv[1], layout), layout, scale)
+                lse_step = _query_lse(lse_step, layout, q.shape[0]).contiguous()  # saved: not the stream's
+                _merge(out, lse, out_step[layout.num_tokens - q.shape[0] :], lse_step)
+                step_lse.append(lse_step)
+            else:
+                step_lse.append(None)
+            if not last:
+                kv = transfer.wait(step, "K/V")
+        if not last_outer:
+            outer_kv = outer_transfer.wait(step, "K/V from the previous node")
     return out.to(q.dtype), lse, step_lse
 
 
@@ -183,22 +215,37 @@ def _step_backward(impl, layout, q, kv, out, lse, lse_step, grad_out, scale):
 def _backward(ring: _Ring, impl, q, k, v, out, lse, step_lse, grad_out, scale):
     acc = _accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = torch.stack([k, v])
-    for step, (layout, lse_step) in enumerate(zip(ring.layouts, step_lse)):
-        last = step == ring.world_size - 1
-        if not last:
-            transfer = _Transfer(ring, kv, _KV_TAG)
-        partial = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-        if lse_step is not None:
-            dq_step, dkv_step = _step_backward(impl, layout, q, kv, out, lse, lse_step, grad_out, scale)
-            dq += dq_step
-            partial += dkv_step
-        if step:  # the partials of this step's K/V owner, from the ranks it visited before
-            partial += grads.wait(step - 1, "dK/dV")
-        grads = _Transfer(ring, partial, _GRAD_TAG)  # after the last step this reaches the owner
-        if not last:
-            kv = transfer.wait(step, "K/V")
-    dkv = grads.wait(ring.world_size - 1, "dK/dV")
+    outer_kv = torch.stack([k, v])
+    steps = iter(enumerate(zip(ring.layouts, step_lse)))
+    for outer in range(ring.num_nodes):
+        last_outer = outer == ring.num_nodes - 1
+        if not last_outer:
+            outer_transfer = _Transfer(ring, outer_kv, _OUTER_KV_TAG, outer=True)
+        kv = outer_kv
+        for inner in range(ring.node_size):
+            step, (layout, lse_step) = next(steps)
+            last = inner == ring.node_size - 1
+            if not last:
+                transfer = _Transfer(ring, kv, _KV_TAG)
+            partial = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+            if lse_step is not None:
+                dq_step, dkv_step = _step_backward(impl, layout, q, kv, out, lse, lse_step, grad_out, scale)
+                dq += dq_step
+                partial += dkv_step
+            if inner:  # the partials of this K/V from the ranks of the node it visited before
+                partial += grads.wait(step - 1, "dK/dV")
+            grads = _Transfer(ring, partial, _GRAD_TAG)  # after the last inner step: to this outer K/V's holder
+            if not last:
+                kv = transfer.wait(step, "K/V")
+        # This rank's outer K/V, summed over its node, joins the same K/V's sum over the nodes before and
+        # travels on one node, behind the K/V; after the last outer step it reaches the owner.
+        node_partial = grads.wait(step, "dK/dV")
+        if outer:
+            node_partial += outer_grads.wait(step, "dK/dV from the previous node")
+        outer_grads = _Transfer(ring, node_partial, _OUTER_GRAD_TAG, outer=True)
+        if not last_outer:
+            outer_kv = outer_transfer.wait(step, "K/V from the previous node")
+    dkv = outer_grads.wait(step, "dK/dV from the previous node")
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
@@ -242,6 +289,7 @@ def sparse_ring_attention(
     block_mask: torch.Tensor | None = None,
     backend: str = "auto",
     scale: float | None = None,
+    node_size: int | None = None,
 ) -> torch.Tensor:
     """``block_sparse_attention`` of a packed stream held block-striped by the ranks of ``group``.
 
@@ -252,8 +300,15 @@ def sparse_ring_attention(
     Returns this rank's output rows [T/W, Hq, D], differentiable in q, k and v; gathered with
     ``context_unshard`` they equal ``block_sparse_attention`` on the whole stream. Every rank of the group
     must call it with the same cu_seqlens and block_mask.
+
+    ``node_size``: a hierarchical ring for groups spanning nodes, an inner ring over each node's
+    ``node_size`` neighbouring group ranks and an outer ring over the nodes, each outer transfer hidden
+    behind a whole inner ring of compute (the striping stays over the flat group). None: one flat ring.
     """
     world_size, rank = _group_place(group)
+    node_size = world_size if node_size is None else node_size
+    if not isinstance(node_size, int) or node_size < 1 or world_size % node_size:
+        raise ValueError(f"node_size must divide the group's {world_size} ranks into whole nodes, got {node_size!r}")
     check_power_of_two("block_size", block_size)
     check_qkv(q, k, v)
     if q.shape[0] % block_size:
@@ -268,9 +323,11 @@ def sparse_ring_attention(
     impl = _implementation(resolve_backend(backend, q.device))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     doc = token_doc_ids(cu_seqlens.to(q.device), num_tokens)
-    layouts = [
+    ring = _Ring(group, world_size, rank, node_size, layouts=[])
+    ring.layouts.extend(
         TileLayout.build_ring_step(block_mask, doc, q.shape[1], k.shape[1], block_size,
-                                   world_size=world_size, rank=rank, source=(rank - step) % world_size)
-        for step in range(world_size)
-    ]
-    return _RingAttention.apply(q, k, v, _Ring(group, world_size, rank, layouts), impl, scale)
+                                   world_size=world_size, rank=rank, source=ring.source(outer, inner))
+        for outer in range(ring.num_nodes)
+        for inner in range(node_size)
+    )
+    return _RingAttention.apply(q, k, v, ring, impl, scale)

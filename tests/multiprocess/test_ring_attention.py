@@ -1,4 +1,5 @@
-"""sparse_ring_attention over W = 2 and 4 gloo ranks equals block_sparse_attention on the whole stream.
+"""sparse_ring_attention over W = 2 and 4 gloo ranks, flat and hierarchical rings, equals
+block_sparse_attention on the whole stream.
 
 Every rank builds the same stream (documents shorter than a block, documents crossing stripe boundaries,
 a padding document at the tail), runs the ring on its striped shard forward and backward for each case,
@@ -21,21 +22,24 @@ from sparsebalance_pl.kernels import (
 from sparsebalance_pl.kernels.layout import forced_tiles, token_doc_ids
 
 BLOCK = 16
-# name: (tokens, dtype, backend, mask kind, relative error allowed against the whole-stream kernel; measured
-# about 3e-16 in fp64 and 2e-7 in fp32)
+# name: (tokens, dtype, backend, mask kind, ranks per node (None: flat ring), relative error allowed against
+# the whole-stream kernel; measured about 3e-16 in fp64 and 2e-7 in fp32)
 CASES = {
-    "random_fp64": (256, torch.float64, "torch", "random", 1e-12),
-    "dense_fp32": (256, torch.float32, "torch", None, 1e-6),
-    "empty_rows_fp32": (256, torch.float32, "torch", "sparse", 1e-6),
+    "random_fp64": (256, torch.float64, "torch", "random", None, 1e-12),
+    "dense_fp32": (256, torch.float32, "torch", None, None, 1e-6),
+    "empty_rows_fp32": (256, torch.float32, "torch", "sparse", None, 1e-6),
+    "two_per_node_fp64": (256, torch.float64, "torch", "random", 2, 1e-12),  # 4 ranks: 2 nodes x 2
+    "one_per_node_fp64": (256, torch.float64, "torch", "sparse", 1, 1e-12),  # outer ring only
 }
 if os.environ.get("TRITON_INTERPRET") == "1":  # gloo ranks hold CPU tensors: Triton only under the interpreter
-    CASES["triton_fp32"] = (128, torch.float32, "triton", "random", 1e-6)
+    CASES["triton_fp32"] = (128, torch.float32, "triton", "random", None, 1e-6)
+    CASES["triton_two_per_node_fp32"] = (128, torch.float32, "triton", "random", 2, 1e-6)
 
 
 def _stream(name):
     """Inputs of the whole stream and the upstream gradient, the same on every rank."""
-    tokens, dtype, _, kind, _ = CASES[name]
-    gen = torch.Generator().manual_seed(len(name))
+    tokens, dtype, _, kind, _, _ = CASES[name]
+    gen = torch.Generator().manual_seed(tokens + len(str(kind)))  # flat and hierarchical cases share streams
     cu = torch.tensor([0, 7, 50, tokens // 2 + 3, tokens - 40, tokens], dtype=torch.int32)  # last: padding doc
     q = torch.randn(tokens, 4, 16, generator=gen, dtype=dtype)
     k, v = (torch.randn(tokens, 2, 16, generator=gen, dtype=dtype) for _ in range(2))
@@ -58,12 +62,13 @@ def _ring_rank(rank, world_size, out_dir):
     from sparsebalance_pl.kernels import sparse_ring_attention
 
     results = {}
-    for name, (_, _, backend, _, _) in CASES.items():
+    for name, (_, _, backend, _, node_size, _) in CASES.items():
         q, k, v, grad, cu, mask = _stream(name)
         q, k, v, grad = (context_shard(x, world_size=world_size, rank=rank, block_size=BLOCK) for x in (q, k, v, grad))
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         group = dist.new_group(list(range(world_size))) if name == "dense_fp32" else None  # explicit group too
-        out = sparse_ring_attention(q, k, v, cu, block_size=BLOCK, block_mask=mask, backend=backend, group=group)
+        out = sparse_ring_attention(q, k, v, cu, block_size=BLOCK, block_mask=mask, backend=backend, group=group,
+                                    node_size=node_size)
         results[name] = (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
@@ -77,7 +82,7 @@ def _relative_error(x, ref):
 def test_ring_equals_whole_stream_attention(world_size, tmp_path):
     assert run_ranks(_ring_rank, world_size, str(tmp_path), world_size=world_size, timeout=300) == {}
     shards = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
-    for name, (tokens, dtype, backend, _, tolerance) in CASES.items():
+    for name, (tokens, dtype, backend, _, _, tolerance) in CASES.items():
         got = [context_unshard([s[name][i] for s in shards], block_size=BLOCK) for i in range(4)]
         q, k, v, grad, cu, mask = _stream(name)
         mask = torch.ones(4, tokens // BLOCK, tokens // BLOCK, dtype=torch.bool) if mask is None else mask
@@ -90,5 +95,8 @@ def test_ring_equals_whole_stream_attention(world_size, tmp_path):
             assert torch.isfinite(g).all(), f"{name}: {what}"
             assert _relative_error(g, w) <= tolerance, f"{name}: {what} against block_sparse_attention"
             assert _relative_error(g, e) <= 10 * tolerance, f"{name}: {what} against the fp64 reference"
+        if name == "two_per_node_fp64":  # the hierarchical ring gives the flat ring's result
+            flat = [context_unshard([s["random_fp64"][i] for s in shards], block_size=BLOCK) for i in range(4)]
+            assert all(_relative_error(g, f) <= 1e-12 for g, f in zip(got, flat))
         if name == "empty_rows_fp32":  # head 0, query block 5 and head 3, the last block see nothing
             assert torch.all(got[0][5 * BLOCK : 6 * BLOCK, 0] == 0) and torch.all(got[0][-BLOCK:, 3] == 0)

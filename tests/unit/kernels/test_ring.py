@@ -114,3 +114,5 @@ def test_ring_rejects_bad_arguments():
         sparse_ring_attention(q, k, v, cu, block_size=24)
     with pytest.raises(ValueError, match="auto, torch, triton"):
         sparse_ring_attention(q, k, v, cu, block_size=16, backend="flash")
+    with pytest.raises(ValueError, match="node_size"):
+        sparse_ring_attention(q, k, v, cu, block_size=16, node_size=2)  # a ring of one has no node of two
