@@ -8,9 +8,12 @@ module can tell whether an existing folder still matches its configuration.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import logging
 import shutil
+import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -27,6 +30,10 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 LENGTHS = "lengths.npy"
 TEXT_SUFFIXES = (".txt", ".jsonl")
+REAL_TEXT_SUFFIXES = (".py", ".md", ".rst", ".txt")
+"""What the ``installed`` source reads: source code and documentation, and plain-text files whose names end in no
+suffix of letters (licences such as ``GPL-3`` or ``Apache-2.0``)."""
+LICENSES = "/usr/share/common-licenses"
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,65 @@ class FolderSource:
         return {"kind": "folder", "files": files}
 
 
+def default_real_text_roots() -> list[str]:
+    """This interpreter's site-packages and the system's licence texts (where this system has them)."""
+    paths = sysconfig.get_paths()
+    return sorted({paths["purelib"], paths["platlib"]}) + ([LICENSES] if Path(LICENSES).is_dir() else [])
+
+
+@dataclass(frozen=True)
+class InstalledTextSource(FolderSource):
+    """Real documents no one here wrote, one per file: the source and documentation of installed Python packages
+    and plain-text files such as licences (``REAL_TEXT_SUFFIXES`` below ``roots``; packaging metadata, caches and
+    binary files left out). Read like a folder source; code gives a real, heavy-tailed length distribution.
+
+    Up to ``max_files`` files with distinct contents, taken in turn from each root's seeded shuffle of its sorted
+    paths (so a small root of prose, such as the licences, is not drowned by thousands of source files, and every
+    rank and run picks the same files), listed sorted."""
+
+    @classmethod
+    def scan(cls, roots: list[str], max_files: int, seed: int) -> "InstalledTextSource":
+        rng = np.random.default_rng([seed, 104729])
+        shuffled = []
+        for root in sorted(set(roots)):
+            files = sorted(str(p) for p in _real_text_files(root))
+            shuffled.append([files[i] for i in rng.permutation(len(files))])
+        picked, seen = [], set()
+        for path in (p for turn in itertools.zip_longest(*shuffled) for p in turn if p is not None):
+            if len(picked) == max_files:
+                break
+            try:
+                content = Path(path).read_bytes()
+            except OSError as err:
+                log.warning("%s: skipped, cannot be read (%s)", path, err)
+                continue
+            digest = hashlib.sha256(content).digest()
+            if b"\0" not in content and digest not in seen:  # a NUL byte: a binary file, not text
+                seen.add(digest)
+                picked.append(path)
+        if not picked:
+            raise DataError(f"data.corpus.roots={roots} hold no readable text file "
+                            f"({', '.join(REAL_TEXT_SUFFIXES)} or without a suffix)")
+        return cls(tuple(sorted(picked)))
+
+    def describe(self) -> dict:
+        return {**super().describe(), "kind": "installed"}
+
+
+def _real_text_files(root: str) -> list[Path]:
+    path = Path(root)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise DataError(f"data.corpus.roots: {root!r} does not exist")
+    skipped = ("__pycache__", ".git")
+    return [
+        p for p in path.rglob("*")
+        if (p.suffix in REAL_TEXT_SUFFIXES or not p.suffix[1:2].isalpha()) and p.is_file()
+        and not any(part in skipped or part.endswith((".dist-info", ".egg-info")) for part in p.relative_to(path).parts)
+    ]
+
+
 def describe_changes(old: dict, new: dict) -> str:
     """What differs between two manifests, naming the files of a folder source that were added, removed or
     modified."""
@@ -89,7 +155,8 @@ def describe_changes(old: dict, new: dict) -> str:
 
 
 def read_documents(path: str) -> Iterator[tuple[str, str]]:
-    """(where, text) of each document of one text file, naming the file and line of anything unreadable."""
+    """(where, text) of each document of one text file (one per line of a ``.jsonl`` file, else the whole file),
+    naming the file and line of anything unreadable."""
     file = Path(path)
     try:
         raw = file.read_bytes()
@@ -97,7 +164,7 @@ def read_documents(path: str) -> Iterator[tuple[str, str]]:
     except UnicodeDecodeError as err:
         log.warning("%s: not valid UTF-8 at byte %d; undecodable bytes replaced", path, err.start)
         text = raw.decode("utf-8", errors="replace")
-    if file.suffix == ".txt":
+    if file.suffix != ".jsonl":
         yield path, text
         return
     for line_no, line in enumerate(text.splitlines(), start=1):

@@ -12,7 +12,14 @@ import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
-from sparsebalance_pl.datamodules.builder import FolderSource, SyntheticSource, build_splits, load_lengths
+from sparsebalance_pl.datamodules.builder import (
+    FolderSource,
+    InstalledTextSource,
+    SyntheticSource,
+    build_splits,
+    default_real_text_roots,
+    load_lengths,
+)
 from sparsebalance_pl.datamodules.eval_tasks import TASKS, EvalConfig, make_eval_samples
 from sparsebalance_pl.datamodules.longbench import cell_names, collate_prompts, make_prompts, read_longbench
 from sparsebalance_pl.datamodules.packing import collate_answers, collate_packed, first_fit
@@ -91,8 +98,13 @@ class CorpusConfig:
 
     Args:
         data_dir: where the litdata dataset lives (built there when missing or built from other settings).
-        source: ``synthetic`` (the built-in corpus) or ``folder`` (``text_dir``).
+        source: ``synthetic`` (the built-in corpus), ``folder`` (``text_dir``) or ``installed`` (real text found on
+            this machine below ``roots``).
         text_dir: the folder of ``.txt``/``.jsonl`` files for ``source: folder``.
+        roots: for ``source: installed``, folders (or files) whose ``.py``, ``.md``, ``.rst``, ``.txt`` and
+            suffix-less text files are documents, one per file (default: this Python's site-packages and
+            ``/usr/share/common-licenses``).
+        max_files: for ``source: installed``, how many files with distinct contents to take (a seeded choice).
         tokenizer: ``byte``, ``qwen-tiktoken`` or a local Hugging Face tokenizer directory.
         num_documents: size of the synthetic corpus (train and validation together).
         length_distribution: ``wlbllm``, ``prolong`` or a JSON file of lengths (synthetic corpus).
@@ -103,8 +115,10 @@ class CorpusConfig:
     """
 
     data_dir: str = "data/demo"
-    source: Literal["synthetic", "folder"] = "synthetic"
+    source: Literal["synthetic", "folder", "installed"] = "synthetic"
     text_dir: str | None = None
+    roots: list[str] | None = None
+    max_files: int = 2000
     tokenizer: str = "byte"
     num_documents: int = 4000
     length_distribution: str = "wlbllm"
@@ -116,8 +130,12 @@ class CorpusConfig:
     def __post_init__(self) -> None:
         if self.oversize not in ("split", "reject"):
             raise ConfigError(f"data.corpus.oversize={self.oversize!r} is unknown; allowed: 'split', 'reject'")
-        if self.source not in ("synthetic", "folder"):
-            raise ConfigError(f"data.corpus.source={self.source!r} is unknown; allowed: 'synthetic', 'folder'")
+        if self.source not in ("synthetic", "folder", "installed"):
+            raise ConfigError(
+                f"data.corpus.source={self.source!r} is unknown; allowed: 'synthetic', 'folder', 'installed'"
+            )
+        if self.source == "installed" and self.max_files < 2:
+            raise ConfigError(f"data.corpus.max_files={self.max_files} must be at least 2")
         if self.max_doc_tokens < 2:
             raise ConfigError(f"data.corpus.max_doc_tokens={self.max_doc_tokens} must be at least 2")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -194,9 +212,15 @@ class LongContextDataModule(L.LightningDataModule):
                 f"{corpus.max_doc_tokens} and data.batching.max_tokens={batching.max_tokens}"
             )
         self.corpus, self.batching, self.evaluation, self.seed = corpus, batching, evaluation, seed
-        self.source = FolderSource.scan(corpus.text_dir) if corpus.source == "folder" else SyntheticSource(
-            num_documents=corpus.num_documents, length_distribution=corpus.length_distribution, seed=seed
-        )
+        if corpus.source == "folder":
+            self.source = FolderSource.scan(corpus.text_dir)
+        elif corpus.source == "installed":
+            roots = corpus.roots or default_real_text_roots()
+            self.source = InstalledTextSource.scan(roots, corpus.max_files, seed)
+        else:
+            self.source = SyntheticSource(
+                num_documents=corpus.num_documents, length_distribution=corpus.length_distribution, seed=seed
+            )
         if corpus.source == "synthetic":
             LengthPrior.load(corpus.length_distribution)  # fail now, not in prepare_data, on a bad distribution
         self.tokenizer = load_tokenizer(corpus.tokenizer)
