@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import lightning as L
 import torch
 from lightning.pytorch import seed_everything
 
@@ -30,11 +31,12 @@ from sparsebalance_pl.loss import IGNORE_INDEX
 from sparsebalance_pl.module import SparseQwen
 
 
-def build(args: Sequence[str]) -> tuple[SparseQwen, LongContextDataModule]:
+def build(args: Sequence[str]) -> tuple[SparseQwen, LongContextDataModule, L.Trainer]:
     """The model (configured, its latency table loaded or profiled as in ``fit``) and the data module (built,
     connected to the model's cost model) that ``main.py fit *args`` would train, parsed and checked the same
-    way, with one device and nothing run. The weights are drawn after re-seeding with ``seed_everything``, so
-    every emulated variant starts from the same model."""
+    way, and the Trainer holding the run's settings (``gradient_clip_val``, ``max_steps``), with one device and
+    nothing run. The weights are drawn after re-seeding with ``seed_everything``, so every emulated variant
+    starts from the same model."""
     from sparsebalance_pl.cli import main  # the command line builds on the library, not the other way round
 
     cli = main([*args, "--trainer.devices=1", "--trainer.strategy=auto", "--trainer.num_nodes=1"], run=False)
@@ -46,7 +48,7 @@ def build(args: Sequence[str]) -> tuple[SparseQwen, LongContextDataModule]:
     module.setup("fit")
     data.prepare_data()
     data.connect(module.cost_model)
-    return module, data
+    return module, data, cli.trainer
 
 
 @dataclass(frozen=True)

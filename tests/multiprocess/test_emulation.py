@@ -1,0 +1,71 @@
+"""Emulated data-parallel ranks against reality: two ranks emulated in one process train on the same
+micro-batches as a real 2-process FSDP2 run of the same configuration and plan, with the same losses."""
+
+import csv
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from main_runner import HELPERS, REPO, build_demo_data
+
+STEPS = 4
+CORPUS = {"corpus.num_documents": 200, "corpus.max_doc_tokens": 512, "batching.max_tokens": 1024}
+
+
+def _args(run_dir: Path, init: Path) -> list[str]:
+    """The demo configuration, small, from fixed weights; no DST (it decides from measured times, which no two
+    runs share) and no density calibration, so the plan is the analytic prior's in both."""
+    data = [f"--data.{key}={value}" for key, value in CORPUS.items()]
+    return [
+        "--config", str(REPO / "configs" / "demo.yaml"), *data, f"--data.corpus.data_dir={run_dir / 'data/demo'}",
+        f"--model.model.pretrained_path={init}", f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=0",
+        "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={run_dir / 'outputs'}",
+        f"--trainer.logger.init_args.save_dir={run_dir / 'outputs'}",
+    ]
+
+
+def _initial_weights(path: Path) -> None:
+    from sparsebalance_pl.model import ModelConfig
+    from sparsebalance_pl.module import SparseQwen
+
+    module = SparseQwen(model=ModelConfig(preset="demo", overrides={"num_layers": 2}))
+    module.configure_model()
+    module.net.hf.save_pretrained(path)
+
+
+def _digest(batch) -> str:
+    return hashlib.sha1(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.slow
+def test_two_emulated_ranks_match_a_real_two_rank_run(tmp_path):
+    from sparsebalance_pl.emulation import EmulatedRanks, build, epoch_batches
+
+    init = tmp_path / "init"
+    _initial_weights(init)
+    build_demo_data(tmp_path, **CORPUS)
+    record = tmp_path / "batches"
+    callbacks = ('--trainer.callbacks=[{"class_path": "fault_injection.RecordBatches", "init_args": {"path": "'
+                 f'{record}"}}}}]')
+    real = subprocess.run(
+        [sys.executable, str(REPO / "main.py"), "fit", *_args(tmp_path, init), callbacks], cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(HELPERS)}, capture_output=True, text=True, timeout=600,
+    )
+    assert real.returncode == 0, real.stderr[-3000:]
+    rows = csv.DictReader(open(tmp_path / "outputs/logs/version_0/metrics.csv"))
+    real_losses = {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
+    real_batches = {}
+    for rank in (0, 1):
+        for line in (tmp_path / f"batches.{rank}").read_text().splitlines():
+            step, digest = line.split()
+            real_batches[(rank, int(step))] = digest
+
+    module, data, trainer = build(_args(tmp_path, init))
+    emulated = EmulatedRanks(module, 2, STEPS, gradient_clip=trainer.gradient_clip_val)
+    for step, batches in zip(range(STEPS), epoch_batches(data, 2)):
+        assert [_digest(rank[0]) for rank in batches] == [real_batches[(rank, step)] for rank in (0, 1)], step
+        loss = emulated.step(batches).loss
+        assert loss == pytest.approx(real_losses[step], abs=1e-5), f"step {step}"
