@@ -40,8 +40,9 @@ _TIMED = np.array([name in TIMED_TERMS for name in TERMS], dtype=np.float64)
 #: ``CostModel.error`` before any step was measured: predictions may be off by a factor e (the analytic prior
 #: was off by a median 60% and up to 10x on modules it was not made for).
 UNCALIBRATED_ERROR = 1.0
-#: One step changes no term's calibrated scale by more than this factor: a prior that is far off converges over
-#: a few steps instead of swinging every prediction (and DST's anchor) at once.
+#: One step changes no rank's prediction of a timed term (the term's calibrated scale times the rank's speed) by
+#: more than this factor: a prior that is far off converges over a few steps instead of swinging every
+#: prediction (and DST's anchor) at once.
 MAX_STEP_CORRECTION = 2.0
 
 
@@ -164,8 +165,8 @@ class CostModel:
         """Learn from one step's records, one per rank in rank order (the same list on every rank).
 
         Each rank's speed follows its measured over predicted attention time relative to the other ranks';
-        the latency model is calibrated on each rank's time at the nominal speed (each term's scale moving by
-        at most ``MAX_STEP_CORRECTION`` per step); the density estimator learns each document's density at the
+        the latency model is calibrated on each rank's time at the nominal speed (a term's scale and a rank's
+        speed together moving by at most ``MAX_STEP_CORRECTION`` per step); the density estimator learns each document's density at the
         base budget; ``error`` follows how far the predictions made before this step were off. Times of the
         ``warmup_steps`` first steps are left out.
         """
@@ -184,6 +185,7 @@ class CostModel:
             valid[:] = False
         if valid.any():
             self._track_error(np.abs(np.log(measured[valid] / predicted[valid])))
+        speeds_before = self.log_speeds.copy()
         if valid.all():
             relative = np.log(measured / nominal)
             self.log_speeds += self.speed_smoothing * ((relative - relative.mean()) - self.log_speeds)
@@ -194,10 +196,20 @@ class CostModel:
                 self.latency.observe(record.lengths, record.report.mean_density, measured[rank] / self.speed(rank),
                                      terms=TIMED_TERMS)
             self._observe_density(record.lengths, record.report.base_document_density)
-        bound = math.log(MAX_STEP_CORRECTION)
-        calibration.log_scales = before + np.clip(calibration.log_scales - before, -bound, bound)
+        self._bound_correction(before, speeds_before)
         self.last_step = StepObservation(records, predicted, measured)
         return self.last_step
+
+    def _bound_correction(self, scales_before: np.ndarray, speeds_before: np.ndarray) -> None:
+        """No rank's timed terms move by more than ``MAX_STEP_CORRECTION`` in one step, a term's scale and the
+        rank's speed together: each term's scale first, then each speed within what its scales left."""
+        bound = math.log(MAX_STEP_CORRECTION)
+        calibration = self.latency.calibration
+        scale_moves = np.clip(calibration.log_scales - scales_before, -bound, bound)
+        calibration.log_scales = scales_before + scale_moves
+        timed = scale_moves[_TIMED > 0]
+        speed_moves = np.clip(self.log_speeds - speeds_before, -bound - timed.min(), bound - timed.max())
+        self.log_speeds = speeds_before + speed_moves
 
     def _track_error(self, step_errors: np.ndarray) -> None:
         """``error``: a running mean of the step's median |log(measured / predicted)|, the uncalibrated start

@@ -68,6 +68,18 @@ def test_warmup_steps_teach_densities_but_no_times():
     assert cost.steps_observed == 1 and cost.speed(0) > cost.speed(1)
 
 
+def test_one_step_moves_no_ranks_timed_prediction_more_than_twice():
+    cost, truth = _cost(), _cost()
+    before = [cost.for_rank(r).breakdown(LONG, 0.3)["attention"] for r in (0, 1)]
+    for _ in range(6):
+        cost.observe([_record(truth, LONG, 0.3, slower=30.0), _record(truth, SHORT, 0.3, slower=0.2)])
+        after = [cost.for_rank(r).breakdown(LONG, 0.3)["attention"] for r in (0, 1)]
+        moves = np.array(after) / np.array(before)
+        assert (moves <= 2.0 + 1e-9).all() and (moves >= 0.5 - 1e-9).all()
+        before = after
+    assert cost.speed(0) > 2 * cost.speed(1)  # the speeds still separate the ranks, over steps
+
+
 def test_unmeasured_step_leaves_speeds_and_table_alone():
     cost = _cost()
     record = _record(cost, LONG, 0.5)
