@@ -16,7 +16,7 @@ import shutil
 import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -201,17 +201,24 @@ def _encode_chunks(
             yield {"tokens": piece, "length": int(piece.size)}
 
 
+@lru_cache(maxsize=4)
+def _tokenizer(spec: str) -> Tokenizer:
+    """One tokenizer per build process: a Hugging Face one takes about 0.3 s to load, longer than most files
+    take to encode."""
+    return load_tokenizer(spec)
+
+
 def _synthetic_sample(item: tuple[int, int, int], tokenizer_spec: str, max_doc_tokens: int) -> Iterator[dict]:
     seed, index, num_tokens = item
     rng = np.random.default_rng([seed, index])
-    tokenizer = load_tokenizer(tokenizer_spec)
+    tokenizer = _tokenizer(tokenizer_spec)
     # The byte tokenizer makes one token per character; other tokenizers are cut to length after encoding.
     text = synthetic_document(rng, num_tokens - 1)
     yield from _encode_chunks(text, tokenizer, max_doc_tokens, "split", f"synthetic document {index}")
 
 
 def _folder_samples(path: str, tokenizer_spec: str, max_doc_tokens: int, oversize: str) -> Iterator[dict]:
-    tokenizer = load_tokenizer(tokenizer_spec)
+    tokenizer = _tokenizer(tokenizer_spec)
     for where, text in read_documents(path):
         yield from _encode_chunks(text, tokenizer, max_doc_tokens, oversize, where)
 

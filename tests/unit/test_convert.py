@@ -203,3 +203,25 @@ def test_smollm2_converts_to_an_equivalent_qwen2(tmp_path):
     """The real 30-layer SmolLM2-135M (98 MB, fetched by ``main.py convert``; CI does not download it)."""
     out = convert_gguf(SMOLLM2, tmp_path / "smollm2")
     _check_equivalent(SMOLLM2, out, num_tokens=64)
+
+
+def test_smollm2_config_builds_on_a_converted_directory(tmp_path, monkeypatch):
+    """configs/smollm2.yaml: the converted model and its tokenizer, real text, SAB and DST (a converted tiny GGUF
+    stands in for SmolLM2)."""
+    from sparsebalance_pl.callbacks import BatchPlanMonitor, DensityCalibration, DynamicSparsityTuning
+    from sparsebalance_pl.datamodules.builder import InstalledTextSource
+
+    monkeypatch.chdir(REPO)
+    out = convert_gguf(write_gguf(tmp_path / "llama.gguf"), tmp_path / "hf")
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "GPL-3").write_text("GNU GENERAL PUBLIC LICENSE\n" * 20)
+    (tmp_path / "text" / "setup.py").write_text("from setuptools import setup\nsetup()\n")
+    built = cli.main(["--config", "configs/smollm2.yaml", f"--model.model.pretrained_path={out}",
+                      f"--data.corpus.tokenizer={out}", f"--data.corpus.roots=[{tmp_path / 'text'}]"], run=False)
+    assert built.model.dims.num_layers == DIMS["layers"] and built.model.attention_config.backend == "sparse"
+    assert isinstance(built.datamodule.source, InstalledTextSource) and len(built.datamodule.source.files) == 2
+    assert built.datamodule.batching.method == "sab" and built.datamodule.batching.max_tokens == 8192
+    assert built.datamodule.vocab_size == len(AutoTokenizer.from_pretrained(tmp_path, gguf_file="llama.gguf"))
+    kinds = {type(c) for c in built.trainer.callbacks}
+    assert {DynamicSparsityTuning, BatchPlanMonitor, DensityCalibration} <= kinds
+    assert built.trainer.num_devices == 2
