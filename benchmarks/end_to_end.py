@@ -26,6 +26,17 @@ to ``--out``. Timings on a shared machine drift: ``--rounds`` repeats the whole 
     python benchmarks/end_to_end.py --init outputs/sharp/hf --epoch-documents 300 --out outputs/e2e_epoch
     python benchmarks/end_to_end.py --init none --steps 30 --out outputs/e2e_random
     python benchmarks/end_to_end.py --init outputs/sharp/hf --max-tokens 8192 --out outputs/e2e_8k   # longer contexts
+
+``--ranks N`` emulates N data-parallel ranks in this one process instead (``sparsebalance_pl.emulation``): the
+real planner plans for N ranks, each rank's micro-batch runs forward and backward alone with its own DST budget
+(one controller for all), gradients add up under the global-token normalisation and one optimiser step follows.
+A step's time is its slowest rank's measured compute plus the measured optimiser time; the collectives are left
+out and estimated apart (a ring all-reduce of the gradients at ``--bandwidth-gbps``). Then ``results.json`` holds
+``{"variants": {name: {"steps": [{"rank_s", "step_s", "tokens"}], "total_s", "tokens", "val_loss", "recall",
+...}}, "regime": {...}}``:
+
+    python benchmarks/end_to_end.py --ranks 8 --config configs/demo.yaml --config configs/narrow16k.yaml \
+        --epoch-documents 400 --out outputs/e2e_emulated_8
 """
 
 from __future__ import annotations
@@ -64,7 +75,12 @@ IMBALANCED = 1.05  # a step whose predicted max / mean across ranks exceeds this
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.yaml")
+    parser.add_argument("--config", type=Path, action="append", help="configuration files, stacked in order "
+                        "(default: configs/demo.yaml); the multi-process runs take the first")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="emulate this many data-parallel ranks in one process (see above)")
+    parser.add_argument("--bandwidth-gbps", type=float, default=50.0,
+                        help="per-rank link bandwidth for the emulation's all-reduce estimate (GB/s)")
     parser.add_argument("--init", default="none", help="Hugging Face model directory, or 'none' for random init")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--epoch-documents", type=int, default=None,
@@ -85,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("outputs/e2e"))
     parser.add_argument("--report-only", action="store_true", help="re-read the runs already in --out, run nothing")
     args = parser.parse_args(argv)
+    args.config = args.config or [ROOT / "configs" / "demo.yaml"]
+    if args.ranks is not None and args.ranks < 1:
+        parser.error(f"--ranks {args.ranks} must be at least 1")
     if args.epoch_documents is None and args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
     return args
@@ -195,11 +214,99 @@ def summarise(rows: list[dict], warmup: int) -> dict:
     }
 
 
-def merge_rounds(rounds: list[list[dict]], warmup: int) -> dict:
-    """One summary over all rounds of a variant (the median of the rounds' figures, curves of the first round)."""
-    summaries = [summarise(r, warmup) for r in rounds]
-    merged = {key: statistics.median(s[key] for s in summaries) for key in summaries[0] if key != "curves"}
-    merged["curves"] = summaries[0]["curves"]
+def merge_rounds(summaries: list[dict]) -> dict:
+    """One summary over all rounds of a variant: the median of the rounds' figures, the rest (curves, steps) of
+    the first round."""
+    return {key: statistics.median(s[key] for s in summaries) if isinstance(value, (int, float)) else value
+            for key, value in summaries[0].items()}
+
+
+def emulate_variant(base: dict, name: str, args: argparse.Namespace, round_index: int) -> dict:
+    """One variant over ``--ranks`` emulated ranks in this process, summarised as ``summarise`` does a real run,
+    plus every step's per-rank times (``steps``)."""
+    from sparsebalance_pl.callbacks.controller import DSTController
+    from sparsebalance_pl.emulation import EmulatedRanks, allreduce_seconds, build, step_batches, validation_loss
+
+    run_dir = (args.out / f"{name}-round{round_index}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(variant_config(base, name, args, run_dir), sort_keys=False))
+    module, data, trainer = build(["--config", str(config_path)])
+    backend, _, p = VARIANTS[name]
+    if backend == "sparse":  # what the DensityCalibration callback does before a real run plans its epoch
+        module.calibrate_density(data.calibration_batches(min_length=module.attention_config.block_size))
+    controller = DSTController(module.cost_model, module.base_budgets, anchor=args.anchor, p=args.p if p is None else p)
+    plan = data.train_plan(args.ranks, rank=0).plan()
+    plan = plan if args.epoch_documents is not None else plan[: args.steps]
+    items = data.items("train")
+    emulated = EmulatedRanks(module, args.ranks, len(plan), controller=controller,
+                             gradient_clip=trainer.gradient_clip_val)
+    emulated.warm_up(step_batches(items, plan[0])[0][0])
+    started, done = time.perf_counter(), []
+    for step in plan:
+        done.append(emulated.step(step_batches(items, step)))
+    records = [record for step in done for observation in step.observations for record in observation.records]
+    recalls = [(sum(r.lengths), r.report.recall) for r in records if r.report.recall is not None]
+    rank_s = [step.rank_seconds for step in done]
+    step_s = [step.seconds for step in done]
+    parameters = sum(p.numel() for p in module.parameters())
+    print(f"  {name}: {len(done)} steps of {args.ranks} ranks, {time.perf_counter() - started:.0f} s", flush=True)
+    return {
+        "steps": len(done),
+        "hidden_size": module.dims.hidden_size,
+        "total_s": sum(step_s),
+        "step_s": statistics.median(step_s),
+        "tokens": sum(step.tokens for step in done),
+        "tokens_per_s": sum(step.tokens for step in done) / sum(step_s),
+        "measured_imbalance": statistics.median(imbalance(r) for r in rank_s),
+        "balance_efficiency": balance_efficiency(rank_s),
+        "removable_imbalance": sum(max(r) for r in rank_s) / sum(statistics.fmean(r) for r in rank_s),
+        "attention_share": sum(r.report.attention_seconds for r in records) / sum(map(sum, rank_s)),
+        "collective_estimate_s": len(done) * allreduce_seconds(parameters, args.ranks, args.bandwidth_gbps),
+        "train_loss": statistics.fmean(step.loss for step in done[-5:]),
+        "val_loss": validation_loss(module, data),
+        "recall": sum(n * r for n, r in recalls) / sum(n for n, _ in recalls) if recalls else math.nan,
+        "density": statistics.fmean(r.report.mean_density for r in records),
+        "curves": {
+            "step_s": list(enumerate(step_s)),
+            "imbalance": [(i, imbalance(r)) for i, r in enumerate(rank_s)],
+            "loss": [(i, step.loss) for i, step in enumerate(done)],
+        },
+        "steps_detail": [{"rank_s": step.rank_seconds, "step_s": step.seconds, "tokens": step.tokens} for step in done],
+    }
+
+
+def emulated_regime(base: dict, results: dict, args: argparse.Namespace) -> dict:
+    """What decides the gain: attention's share of a step (its FLOP ratio to the projections, and as measured)
+    and how much imbalance the baseline leaves (the most balancing can remove)."""
+    reference = results.get(BASELINE) or next(iter(results.values()))
+    length = args.max_tokens or base["data"]["batching"]["max_tokens"]
+    return {
+        "ranks": args.ranks,
+        "max_tokens": length,
+        "hidden_size": reference["hidden_size"],
+        "attention_to_projection_flops": length / (6 * reference["hidden_size"]),
+        "baseline_attention_share": reference["attention_share"],
+        "baseline_removable_imbalance": reference["removable_imbalance"],
+        "baseline_density": reference["density"],
+        "baseline_recall": reference["recall"],
+        "collective_estimate_s": reference["collective_estimate_s"],
+        "bandwidth_gbps": args.bandwidth_gbps,
+        "collectives": "not in the step times; estimated apart as a ring all-reduce of fp32 gradients",
+    }
+
+
+def merged_configs(paths: list[Path]) -> dict:
+    """The configuration files stacked in order, as ``--config a --config b`` does (mappings merge, the rest is
+    replaced)."""
+    def merge(into: dict, update: dict) -> dict:
+        for key, value in update.items():
+            into[key] = merge(dict(into.get(key) or {}), value) if isinstance(value, dict) else value
+        return into
+
+    merged: dict = {}
+    for path in paths:
+        merged = merge(merged, yaml.safe_load(path.read_text()) or {})
     return merged
 
 
@@ -266,17 +373,22 @@ def plot(results: dict, out: Path, title: str) -> list[Path]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    base = yaml.safe_load(args.config.read_text())
+    base = merged_configs(args.config)
     rounds: dict[str, list] = {name: [] for name in args.variants}
     for round_index in range(args.rounds):
         print(f"round {round_index + 1}/{args.rounds}", flush=True)
         for name in args.variants:
-            if args.report_only:
+            if args.ranks is not None:
+                rounds[name].append(emulate_variant(base, name, args, round_index))
+            elif args.report_only:
                 metrics = args.out / f"{name}-round{round_index}" / "logs" / "version_0" / "metrics.csv"
-                rounds[name].append(read_metrics(metrics))
+                rounds[name].append(summarise(read_metrics(metrics), args.warmup))
             else:
-                rounds[name].append(run_variant(base, name, args, round_index))
-    results = {name: merge_rounds(r, args.warmup) for name, r in rounds.items()}
+                rounds[name].append(summarise(run_variant(base, name, args, round_index), args.warmup))
+    results = {name: merge_rounds(r) for name, r in rounds.items()}
+    if args.ranks is not None:
+        write_emulated(base, results, args)
+        return
     reference = results.get(BASELINE) or next(iter(results.values()))
     init = "random initialisation" if args.init == "none" else f"from {args.init}"
     regime = (f"{init}; baseline mean density {reference['density']:.3f}, exact recall {reference['recall']:.3f} "
@@ -292,6 +404,26 @@ def main(argv=None) -> None:
     (args.out / "results.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "regime": regime, "results": results}, indent=1))
     for path in plot(results, args.out, init):
+        print(f"wrote {path}")
+
+
+def write_emulated(base: dict, results: dict, args: argparse.Namespace) -> None:
+    regime = emulated_regime(base, results, args)
+    text = (f"{args.ranks} emulated ranks (one process, ranks timed one after another; imbalance and balance "
+            f"efficiency of the ranks' whole forward and backward); context {regime['max_tokens']} tokens over hidden "
+            f"{regime['hidden_size']}: attention/projection FLOPs {regime['attention_to_projection_flops']:.1f}; "
+            f"the baseline's attention is {regime['baseline_attention_share']:.0%} of its ranks' compute, its "
+            f"removable imbalance {regime['baseline_removable_imbalance']:.3f}; collectives not in the times "
+            f"(estimated {regime['collective_estimate_s']:.2f} s over the run at {args.bandwidth_gbps:g} GB/s)")
+    table = markdown_table(results, text, args)
+    print(table)
+    (args.out / "results.md").write_text(table)
+    variants = {
+        name: {**{k: v for k, v in r.items() if k not in ("curves", "steps_detail")}, "steps": r["steps_detail"]}
+        for name, r in results.items()
+    }
+    (args.out / "results.json").write_text(json.dumps({"variants": variants, "regime": regime}, indent=1))
+    for path in plot(results, args.out, f"{args.ranks} emulated ranks"):
         print(f"wrote {path}")
 
 

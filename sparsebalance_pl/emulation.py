@@ -16,7 +16,7 @@ per-rank speeds, calibration and densities are the ones the real callback would 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import lightning as L
@@ -25,8 +25,9 @@ from lightning.pytorch import seed_everything
 
 from sparsebalance_pl.callbacks.controller import DSTController
 from sparsebalance_pl.cost import StepObservation, StepRecord
-from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
+from sparsebalance_pl.datamodules.datamodule import LongContextDataModule, PlanItems
 from sparsebalance_pl.datamodules.packing import collate_packed
+from sparsebalance_pl.datamodules.sampler import StepPlan
 from sparsebalance_pl.loss import IGNORE_INDEX
 from sparsebalance_pl.module import SparseQwen
 
@@ -137,6 +138,13 @@ class EmulatedRanks:
         return EmulatedStep(rank_seconds, optimizer_seconds, tokens, loss_sum / max(loss_tokens, 1), all_lengths,
                             observations)
 
+    def warm_up(self, batch: dict) -> None:
+        """One untimed forward and backward whose gradients are dropped: a process's first pays one-time costs
+        (lazy initialisation, allocator growth) that no rank of a running job pays."""
+        loss_sum, _ = self.module({k: v.to(self.module.device) for k, v in batch.items()})
+        loss_sum.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
     def _update(self) -> None:
         if self.gradient_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.gradient_clip)
@@ -145,12 +153,9 @@ class EmulatedRanks:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def epoch_batches(data: LongContextDataModule, num_ranks: int, epoch: int = 0) -> Iterator[list[list[dict]]]:
-    """Every step of the epoch the real planner makes for ``num_ranks`` ranks (the sampler of a real run, with
-    the data module's cost model), as ``[rank][micro]`` packed batches."""
-    items = data.items("train")
-    for step in data.train_plan(num_ranks, rank=0, epoch=epoch).plan():
-        yield [[collate_packed([items[i] for i in mb]) for mb in rank] for rank in step.micro_batches]
+def step_batches(items: Sequence | PlanItems, step: StepPlan) -> list[list[dict]]:
+    """A planned step's micro-batches, packed, as ``[rank][micro]`` (``items``: the data module's ``items``)."""
+    return [[collate_packed([items[i] for i in mb]) for mb in rank] for rank in step.micro_batches]
 
 
 @torch.no_grad()

@@ -42,7 +42,7 @@ def _digest(batch) -> str:
 
 @pytest.mark.slow
 def test_two_emulated_ranks_match_a_real_two_rank_run(tmp_path):
-    from sparsebalance_pl.emulation import EmulatedRanks, build, epoch_batches
+    from sparsebalance_pl.emulation import EmulatedRanks, build, step_batches
 
     init = tmp_path / "init"
     _initial_weights(init)
@@ -65,7 +65,9 @@ def test_two_emulated_ranks_match_a_real_two_rank_run(tmp_path):
 
     module, data, trainer = build(_args(tmp_path, init))
     emulated = EmulatedRanks(module, 2, STEPS, gradient_clip=trainer.gradient_clip_val)
-    for step, batches in zip(range(STEPS), epoch_batches(data, 2)):
+    items = data.items("train")
+    for step, planned in zip(range(STEPS), data.train_plan(2, rank=0).plan()):
+        batches = step_batches(items, planned)
         assert [_digest(rank[0]) for rank in batches] == [real_batches[(rank, step)] for rank in (0, 1)], step
         loss = emulated.step(batches).loss
         assert loss == pytest.approx(real_losses[step], abs=1e-5), f"step {step}"
