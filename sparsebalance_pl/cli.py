@@ -24,7 +24,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from sparsebalance_pl.callbacks import DynamicSparsityTuning
-from sparsebalance_pl.cost.profiler import profile_hardware
+from sparsebalance_pl.cost.profiler import profile_hardware, training_dtype
 from sparsebalance_pl.convert import convert
 from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
 from sparsebalance_pl.distributed import leave_process_group
@@ -143,11 +143,10 @@ def profile(
     if output is None:
         raise ConfigError("main.py profile needs --output or model.latency_table in the configuration")
     device = device or _device_of(trainer.accelerator)
-    bf16 = str(trainer.precision).startswith("bf16") and torch.device(device).type != "cpu"
     profile_hardware(
         model.dims,
         device=device,
-        dtype=torch.bfloat16 if bf16 else torch.float32,
+        dtype=training_dtype(trainer.precision, device),
         block_size=model.attention_config.block_size,
         stride=model.attention_config.stride,
         quick=not full,

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, AttentionContext
 from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel, SparsityReport, observe_step
-from sparsebalance_pl.cost.profiler import latency_model_for_run
+from sparsebalance_pl.cost.profiler import latency_model_for_run, training_dtype
 from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.distributed import all_ranks, gather_objects
 from sparsebalance_pl.errors import ConfigError, TrainingError
@@ -154,7 +154,10 @@ class SparseQwen(L.LightningModule):
         """
         cfg = self.attention_config
         device = self.trainer.strategy.root_device
-        settings = dict(device=device, block_size=cfg.block_size, stride=cfg.stride, progress=False)
+        settings = dict(
+            device=device, dtype=training_dtype(self.trainer.precision, device), block_size=cfg.block_size,
+            stride=cfg.stride, max_length=self.dims.max_position_embeddings, progress=False,
+        )
         if self.latency_profile and self.trainer.world_size > 1:
             if self.trainer.is_global_zero:
                 latency_model_for_run(self.latency_table, self.dims, profile=True, **settings)

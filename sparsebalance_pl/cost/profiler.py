@@ -55,6 +55,7 @@ __all__ = [
     "measure_seconds",
     "profile_hardware",
     "profile_module",
+    "training_dtype",
 ]
 
 NOOP_ATTENTION = "sparsebalance_profile_noop"
@@ -514,7 +515,7 @@ def _table(
         block_size=block_size,
         stride=stride,
         device=device_name(device),
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=_name(dtype),
         versions=library_versions(),
         source="profile",
         notes={"grid": grid.__dict__, "clock": clock, "selection_packed_vs_single": packed / one_doc,
@@ -570,15 +571,16 @@ def latency_model_for_run(
 ) -> LatencyModel:
     """The latency model a training run starts from; never raises for a bad table.
 
-    Uses the table at ``path`` when it fits the model and kernels and was measured on this device;
-    otherwise runs the quick profile and saves it to ``path`` (``profile=True``), or, with profiling off,
+    Uses the table at ``path`` when it fits the model and kernels and was measured on this device in this
+    dtype; otherwise runs the quick profile and saves it to ``path`` (``profile=True``), or, with profiling off,
     takes a fitting table from another device or else the analytic prior. Online calibration corrects any
     of them from measured times.
     """
     device = torch.device(device)
     here = device_name(device)
     model = LatencyModel.load_or_none(path, dims, block_size=block_size, stride=stride, device=here)
-    if model is not None and (model.table.meta.device == here or not profile):
+    measured_here = model is not None and (model.table.meta.device, model.table.meta.dtype) == (here, _name(dtype))
+    if model is not None and (measured_here or not profile):
         return model
     if profile:
         log.warning("profiling the latency table for %s into %s (quick grid)", here, path)
@@ -589,4 +591,15 @@ def latency_model_for_run(
     log.warning("no usable latency table at %s and profiling is off: using the analytic prior", path)
     throughput = 5e10 if device.type == "cpu" else (2e14 if dtype in (torch.float16, torch.bfloat16) else 4e13)
     return LatencyModel.analytic(dims, block_size=block_size, stride=stride, flops_per_second=throughput, device=here,
-                                 dtype=str(dtype).removeprefix("torch."))
+                                 dtype=_name(dtype))
+
+
+def training_dtype(precision: object, device: torch.device | str) -> torch.dtype:
+    """The dtype attention runs in under ``trainer.precision`` on ``device`` (bf16 only on accelerators: the
+    CPU runs fp32), which a latency table must be measured in."""
+    bf16 = str(precision).startswith("bf16") and torch.device(device).type != "cpu"
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
