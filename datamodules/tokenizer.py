@@ -38,12 +38,17 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer read from a local directory (``local_files_only``)."""
+    """A Hugging Face tokenizer read from a local directory (``local_files_only``).
+
+    A ``tokenizer.json`` is read as it is: ``AutoTokenizer`` picks the class from the model type and would give a
+    converted SmolLM2 (a Qwen2 by architecture) Qwen's pre-tokenizer, splitting text unlike its training.
+    """
 
     def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        own = (Path(path) / "tokenizer.json").is_file()
+        self._tok = (PreTrainedTokenizerFast if own else AutoTokenizer).from_pretrained(path, local_files_only=True)
         self.name = f"hf:{Path(path).resolve()}"
         self.vocab_size = len(self._tok)
         eos = self._tok.eos_token_id

@@ -35,3 +35,8 @@ def test_weights_and_tokenizer_come_from_the_local_directory(tmp_path):
     ids = tokenizer.encode("the pass key")
     assert ids and tokenizer.decode(ids).replace(" ", "") == "thepasskey"
     assert tokenizer.eos_id == 1
+    # The directory's own tokenizer, not the one its model type implies (transformers maps model_type qwen2 to
+    # Qwen's pre-tokenizer, which a converted SmolLM2 does not use).
+    own = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    text = "the value of key ab12 is 12345"
+    assert tokenizer.encode(text) == own.encode(text, add_special_tokens=False).ids
