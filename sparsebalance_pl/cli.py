@@ -1,4 +1,4 @@
-"""Command line: ``python main.py {fit,validate,test,profile,export} --config configs/<name>.yaml``.
+"""Command line: ``python main.py {fit,validate,test,profile,export,convert} --config configs/<name>.yaml``.
 
 All are subcommands of one LightningCLI and read the same ``model``, ``data`` and ``trainer`` sections, so
 ``--config`` files stack (later ones win) and dotted overrides (``--model.attention.block_size=32``) work alike.
@@ -7,8 +7,9 @@ and before any process group starts; a bad one ends the run with a single line n
 allowed (exit code 2), not a traceback.
 
 ``fit``, ``validate`` and ``test`` run the Trainer; under SLURM, ``fit`` checkpoints and requeues the job on
-SLURM's warning signal (``SlurmRequeue``). ``profile`` (this device's latency table) and ``export`` (a checkpoint
-as a Hugging Face directory) are the functions of ``COMMANDS``, whose signatures give their settings.
+SLURM's warning signal (``SlurmRequeue``). ``profile`` (this device's latency table), ``export`` (a checkpoint
+as a Hugging Face directory) and ``convert`` (a GGUF model as a Hugging Face Qwen2 directory) are the functions
+of ``COMMANDS``, whose signatures give their settings.
 """
 
 from __future__ import annotations
