@@ -75,8 +75,8 @@ IMBALANCED = 1.05  # a step whose predicted max / mean across ranks exceeds this
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, action="append", help="configuration files, stacked in order "
-                        "(default: configs/demo.yaml); the multi-process runs take the first")
+    parser.add_argument("--config", type=Path, action="append", help="configuration files, stacked in order as "
+                        "`main.py fit --config a --config b` does (default: configs/demo.yaml)")
     parser.add_argument("--ranks", type=int, default=None,
                         help="emulate this many data-parallel ranks in one process (see above)")
     parser.add_argument("--bandwidth-gbps", type=float, default=50.0,
@@ -104,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.config = args.config or [ROOT / "configs" / "demo.yaml"]
     if args.ranks is not None and args.ranks < 1:
         parser.error(f"--ranks {args.ranks} must be at least 1")
+    if args.ranks is not None and args.report_only:
+        parser.error("--report-only re-reads multi-process runs; emulated runs (--ranks) keep no logs to re-read")
     if args.epoch_documents is None and args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
     return args
@@ -215,10 +217,14 @@ def summarise(rows: list[dict], warmup: int) -> dict:
 
 
 def merge_rounds(summaries: list[dict]) -> dict:
-    """One summary over all rounds of a variant: the median of the rounds' figures, the rest (curves, steps) of
-    the first round."""
-    return {key: statistics.median(s[key] for s in summaries) if isinstance(value, (int, float)) else value
-            for key, value in summaries[0].items()}
+    """One summary over all rounds of a variant: the median of the rounds' figures (counts stay whole), the rest
+    (curves, steps) of the first round."""
+    def median(key, value):
+        if isinstance(value, int):
+            return statistics.median_low(s[key] for s in summaries)
+        return statistics.median(s[key] for s in summaries) if isinstance(value, float) else value
+
+    return {key: median(key, value) for key, value in summaries[0].items()}
 
 
 def emulate_variant(base: dict, name: str, args: argparse.Namespace, round_index: int) -> dict:
@@ -232,15 +238,17 @@ def emulate_variant(base: dict, name: str, args: argparse.Namespace, round_index
     config_path = run_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(variant_config(base, name, args, run_dir), sort_keys=False))
     module, data, trainer = build(["--config", str(config_path)])
-    backend, _, p = VARIANTS[name]
+    backend, _, variant_p = VARIANTS[name]
     if backend == "sparse":  # what the DensityCalibration callback does before a real run plans its epoch
         module.calibrate_density(data.calibration_batches(min_length=module.attention_config.block_size))
-    controller = DSTController(module.cost_model, module.base_budgets, anchor=args.anchor, p=args.p if p is None else p)
+    p = args.p if variant_p is None else variant_p
+    controller = DSTController(module.cost_model, module.base_budgets, anchor=args.anchor, p=p)
     plan = data.train_plan(args.ranks, rank=0).plan()
     plan = plan if args.epoch_documents is not None else plan[: args.steps]
     items = data.items("train")
     emulated = EmulatedRanks(module, args.ranks, len(plan), controller=controller,
-                             gradient_clip=trainer.gradient_clip_val)
+                             gradient_clip=trainer.gradient_clip_val,
+                             gradient_clip_algorithm=trainer.gradient_clip_algorithm or "norm")
     emulated.warm_up(step_batches(items, plan[0])[0][0])
     started, done = time.perf_counter(), []
     for step in plan:
@@ -249,19 +257,21 @@ def emulate_variant(base: dict, name: str, args: argparse.Namespace, round_index
     recalls = [(sum(r.lengths), r.report.recall) for r in records if r.report.recall is not None]
     rank_s = [step.rank_seconds for step in done]
     step_s = [step.seconds for step in done]
+    if len(done) <= args.warmup:
+        raise SystemExit(f"variant {name} ran {len(done)} steps: none is left after --warmup {args.warmup}")
     parameters = sum(p.numel() for p in module.parameters())
     print(f"  {name}: {len(done)} steps of {args.ranks} ranks, {time.perf_counter() - started:.0f} s", flush=True)
     return {
         "steps": len(done),
         "hidden_size": module.dims.hidden_size,
         "total_s": sum(step_s),
-        "step_s": statistics.median(step_s),
+        "step_s": statistics.median(step_s[args.warmup:]),
         "tokens": sum(step.tokens for step in done),
         "tokens_per_s": sum(step.tokens for step in done) / sum(step_s),
-        "measured_imbalance": statistics.median(imbalance(r) for r in rank_s),
+        "measured_imbalance": statistics.median(imbalance(r) for r in rank_s[args.warmup:]),
         "balance_efficiency": balance_efficiency(rank_s),
         "removable_imbalance": sum(max(r) for r in rank_s) / sum(statistics.fmean(r) for r in rank_s),
-        "attention_share": sum(r.report.attention_seconds for r in records) / sum(map(sum, rank_s)),
+        "attention_share_of_compute": sum(r.report.attention_seconds for r in records) / sum(map(sum, rank_s)),
         "collective_estimate_s": len(done) * allreduce_seconds(parameters, args.ranks, args.bandwidth_gbps),
         "train_loss": statistics.fmean(step.loss for step in done[-5:]),
         "val_loss": validation_loss(module, data),
@@ -286,7 +296,7 @@ def emulated_regime(base: dict, results: dict, args: argparse.Namespace) -> dict
         "max_tokens": length,
         "hidden_size": reference["hidden_size"],
         "attention_to_projection_flops": length / (6 * reference["hidden_size"]),
-        "baseline_attention_share": reference["attention_share"],
+        "baseline_attention_share_of_compute": reference["attention_share_of_compute"],
         "baseline_removable_imbalance": reference["removable_imbalance"],
         "baseline_density": reference["density"],
         "baseline_recall": reference["recall"],
@@ -350,10 +360,10 @@ def markdown_table(results: dict, regime: str, args: argparse.Namespace, imbalan
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict, out: Path, title: str) -> list[Path]:
+def plot(results: dict, out: Path, title: str, imbalance_of: str = "attention time") -> list[Path]:
     panels = [
         ("step_s", "step time (s)", "Wall time per training step"),
-        ("imbalance", "max / mean of the ranks' attention time", "Attention imbalance per step"),
+        ("imbalance", f"max / mean of the ranks' {imbalance_of}", "Imbalance across ranks per step"),
         ("loss", "training loss (nats / token)", "Training loss"),
     ]
     paths = []
@@ -399,9 +409,8 @@ def main(argv=None) -> None:
               f"at tau {base['model']['attention']['tau']}; the baseline's predicted whole-step imbalance across "
               f"ranks (max / mean, the most any balancing can remove) median "
               f"{reference['predicted_step_imbalance']:.3f}, mean {reference['predicted_step_imbalance_mean']:.3f}, "
-              f"over {IMBALANCED} on {reference['imbalanced_steps']:.0f} of {reference['timed_steps']:.0f} timed steps; the "
-              f"slowest rank's "
-              f"attention is {reference['attention_share']:.0%} of the step (median)")
+              f"over {IMBALANCED} on {reference['imbalanced_steps']:.0f} of {reference['timed_steps']:.0f} timed "
+              f"steps; the slowest rank's attention is {reference['attention_share']:.0%} of the step (median)")
     table = markdown_table(results, regime, args)
     print(table)
     (args.out / "results.md").write_text(table)
@@ -413,9 +422,10 @@ def main(argv=None) -> None:
 
 def write_emulated(base: dict, results: dict, args: argparse.Namespace) -> None:
     regime = emulated_regime(base, results, args)
-    text = (f"{args.ranks} emulated ranks (one process, ranks timed one after another); context {regime['max_tokens']} tokens over hidden "
-            f"{regime['hidden_size']}: attention/projection FLOPs {regime['attention_to_projection_flops']:.1f}; "
-            f"the baseline's attention is {regime['baseline_attention_share']:.0%} of its ranks' compute, its "
+    text = (f"{args.ranks} emulated ranks (one process, ranks timed one after another); context "
+            f"{regime['max_tokens']} tokens over hidden {regime['hidden_size']}: attention/projection FLOPs "
+            f"{regime['attention_to_projection_flops']:.1f}; the baseline's attention is "
+            f"{regime['baseline_attention_share_of_compute']:.0%} of its ranks' compute, its "
             f"removable imbalance {regime['baseline_removable_imbalance']:.3f}; collectives not in the times "
             f"(estimated {regime['collective_estimate_s']:.2f} s over the run at {args.bandwidth_gbps:g} GB/s)")
     table = markdown_table(results, text, args, imbalance_of="each rank's measured forward and backward")
@@ -426,7 +436,7 @@ def write_emulated(base: dict, results: dict, args: argparse.Namespace) -> None:
         for name, r in results.items()
     }
     (args.out / "results.json").write_text(json.dumps({"variants": variants, "regime": regime}, indent=1))
-    for path in plot(results, args.out, f"{args.ranks} emulated ranks"):
+    for path in plot(results, args.out, f"{args.ranks} emulated ranks", imbalance_of="compute"):
         print(f"wrote {path}")
 
 

@@ -37,8 +37,9 @@ def run(out: Path, steps: int, p: float, table: Path | None) -> dict[str, np.nda
     return series
 
 
-def _largest_move(series: np.ndarray) -> float:
-    return float(np.max(np.maximum(series[1:] / series[:-1], series[:-1] / series[1:])))
+def _largest_factor(ratios: np.ndarray) -> float:
+    """The largest move a series of ratios makes, either way (0.5 and 2 both count as 2x)."""
+    return float(np.max(np.maximum(ratios, 1.0 / ratios)))
 
 
 def main() -> None:
@@ -69,8 +70,8 @@ def main() -> None:
         for p in (0.1, 0.0):
             runs = results[(start, p)]
             measured = np.array([s["dst/measured_imbalance"] for s in runs])
-            move = max(_largest_move(s["dst/anchor_s"]) for s in runs)
-            drift = max(float(np.max(np.maximum(d, 1.0 / d))) for d in (s["dst/anchor_drift"] for s in runs))
+            move = max(_largest_factor(s["dst/anchor_s"][1:] / s["dst/anchor_s"][:-1]) for s in runs)
+            drift = max(_largest_factor(s["dst/anchor_drift"]) for s in runs)
             worse = int((measured.mean(0) - static.mean(0) > noise).sum()) if p > 0 else 0
             per_round = " / ".join(f"{m:.3f}" for m in measured.mean(1))
             error = np.mean([s["dst/prediction_error"][-1] for s in runs])

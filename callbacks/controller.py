@@ -146,8 +146,10 @@ class DSTController:
         views = self._views(models, lengths)
         name, anchor = self._anchor(views)
         drift = None
-        if self.last is not None and len(self.last_lengths) == len(lengths):
-            drift = self._anchor(self._views(models, self.last_lengths))[1] / self.last.anchor
+        if self.last is not None and len(self.last_lengths) == len(lengths) and self.last.anchor > 0:
+            # the same kind of anchor as then: the adaptive one may pick another kind for other predictions
+            then = [v.base for v in self._views(models, self.last_lengths)]
+            drift = anchor_time(then, self.last.anchor_name) / self.last.anchor
         base = [v.base for v in views]
         timed = [timed_seconds(model, ls, v.density) / v.base for model, ls, v in zip(models, lengths, views)]
         targets = self._targets(views, anchor, max(timed))

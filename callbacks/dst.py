@@ -42,9 +42,9 @@ class DynamicSparsityTuning(Callback):
         recall_tolerance: the adaptive anchor's allowance for predicted loss of mean recall.
 
     Logged per step (the same on every rank): ``dst/anchor_s``, ``dst/anchor_drift`` (its move since the
-    previous step on that step's documents: what learning moved, apart from the workload), ``dst/prediction_error`` (the cost model's
-    recent error, which sets the deadband) and ``dst/confidence`` (the share of a move it allows),
-    ``dst/predicted_imbalance_base`` and
+    previous step on that step's documents: what learning moved, apart from the workload),
+    ``dst/prediction_error`` (the cost model's recent error, which sets the deadband) and ``dst/confidence``
+    (the share of a move it allows), ``dst/predicted_imbalance_base`` and
     ``dst/predicted_imbalance`` (whole step, base and chosen budgets), ``dst/measured_imbalance`` (attention
     calls), and per rank ``dst/rank{r}/{predicted_base_s,predicted_s}`` (whole step),
     ``dst/rank{r}/{tau,max_density,density_scale,density,estimated_recall,recall,speed}`` and

@@ -191,8 +191,8 @@ def _encode_chunks(
         return
     if len(ids) > max_doc_tokens:
         action = "rejected" if oversize == "reject" else "split"
-        log.warning("%s: document of %d tokens %s (data.corpus.max_doc_tokens=%d, data.corpus.oversize=%s)", where, len(ids),
-                    action, max_doc_tokens, oversize)
+        log.warning("%s: document of %d tokens %s (data.corpus.max_doc_tokens=%d, data.corpus.oversize=%s)",
+                    where, len(ids), action, max_doc_tokens, oversize)
         if oversize == "reject":
             return
     for start in range(0, len(ids), max_doc_tokens):

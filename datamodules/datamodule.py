@@ -73,8 +73,8 @@ class PlanItems(Dataset):
             bad = low if low < 0 else high
             raise DataError(
                 f"{self.source}: sample {index} holds token id {bad}, outside the tokenizer's vocabulary "
-                f"[0, {self.vocab_size}): the dataset is corrupt or was built with another data.corpus.tokenizer; delete "
-                f"{self.source.parent} so prepare_data rebuilds it"
+                f"[0, {self.vocab_size}): the dataset is corrupt or was built with another data.corpus.tokenizer; "
+                f"delete {self.source.parent} so prepare_data rebuilds it"
             )
 
 
@@ -375,7 +375,8 @@ class LongContextDataModule(L.LightningDataModule):
         lengths = np.array(lengths)
         num_ranks, rank = self._ranks()
         plan = first_fit_plan(
-            lengths, lengths, max_tokens=self.batching.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=0, shuffle=False
+            lengths, lengths, max_tokens=self.batching.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=0,
+            shuffle=False,
         )
         return DataLoader(
             PlanItems(samples, len(samples)),

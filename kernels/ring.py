@@ -217,6 +217,8 @@ def _backward(ring: _Ring, impl, q, k, v, out, lse, step_lse, grad_out, scale):
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     outer_kv = torch.stack([k, v])
     steps = iter(enumerate(zip(ring.layouts, step_lse)))
+    grads: _Transfer | None = None  # the dK/dV partials in flight, within a node and across nodes; each is
+    outer_grads: _Transfer | None = None  # sent before it is first waited on (inner > 0, outer > 0, the end)
     for outer in range(ring.num_nodes):
         last_outer = outer == ring.num_nodes - 1
         if not last_outer:

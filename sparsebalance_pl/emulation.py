@@ -15,6 +15,7 @@ per-rank speeds, calibration and densities are the ones the real callback would 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,7 +61,9 @@ class EmulatedStep:
         rank_seconds: each rank's forward and backward, measured alone, over its micro-batches.
         optimizer_seconds: gradient clipping, the optimiser and the schedule.
         tokens: tokens of the step over all ranks (padding included, as the ranks compute them).
-        loss: mean loss per loss-bearing token over all ranks (what the real run logs as ``train/loss``).
+        loss: mean loss per loss-bearing token over all ranks and micro-batches.
+        round_losses: per micro-batch round, the mean loss per loss-bearing token over all ranks (what a real
+            run logs as ``train/loss`` for each micro-batch).
         lengths: per rank, per micro-batch, the documents' token counts (the batches the planner gave it).
         observations: what the cost model made of each micro-batch round.
     """
@@ -69,6 +72,7 @@ class EmulatedStep:
     optimizer_seconds: float
     tokens: int
     loss: float
+    round_losses: list[float]
     lengths: list[list[list[int]]]
     observations: list[StepObservation]
 
@@ -86,7 +90,8 @@ class EmulatedRanks:
         num_ranks: how many ranks to emulate.
         total_steps: optimiser steps of the run (the learning-rate schedule's length).
         controller: DST's rule, shared by all ranks (None: the base budgets throughout).
-        gradient_clip: clip the global gradient norm to this, as ``trainer.gradient_clip_val`` does.
+        gradient_clip: clip the gradients to this, as ``trainer.gradient_clip_val`` does.
+        gradient_clip_algorithm: ``"norm"`` (the global norm) or ``"value"`` (each element), as the Trainer's.
     """
 
     def __init__(
@@ -97,58 +102,78 @@ class EmulatedRanks:
         *,
         controller: DSTController | None = None,
         gradient_clip: float | None = None,
+        gradient_clip_algorithm: str = "norm",
     ) -> None:
         if num_ranks < 1:
             raise ValueError(f"num_ranks={num_ranks} must be at least 1")
-        self.module, self.num_ranks, self.controller, self.gradient_clip = module, num_ranks, controller, gradient_clip
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r} must be 'norm' or 'value'")
+        self.module, self.num_ranks, self.controller = module, num_ranks, controller
+        self.gradient_clip, self.gradient_clip_algorithm = gradient_clip, gradient_clip_algorithm
         schedule = module.optimizer_and_schedule(total_steps)
         self.optimizer = schedule["optimizer"]
         self.scheduler = schedule["lr_scheduler"]["scheduler"]
 
     def step(self, micro_batches: Sequence[Sequence[dict]]) -> EmulatedStep:
-        """One optimiser step over ``micro_batches[rank][micro]`` (packed batches, ``collate_packed``)."""
+        """One optimiser step over ``micro_batches[rank][micro]`` (packed batches, ``collate_packed``).
+
+        Every rank needs the same number of micro-batches, as the collectives of a real run do (the planners
+        give every rank the same count). A step whose loss is not finite drops its update, as ``SparseQwen``
+        does, and the schedule still moves on.
+        """
         if len(micro_batches) != self.num_ranks:
             raise ValueError(f"a step needs {self.num_ranks} ranks' micro-batches, got {len(micro_batches)}")
+        rounds = len(micro_batches[0])
+        if rounds == 0 or any(len(rank) != rounds for rank in micro_batches):
+            counts = [len(rank) for rank in micro_batches]
+            raise ValueError(f"every rank needs the same number (at least one) of micro-batches, got {counts}")
         module, device = self.module, self.module.device
         module.train()
-        rounds = len(micro_batches[0])
-        rank_seconds, loss_sum, loss_tokens, tokens, observations = [0.0] * self.num_ranks, 0.0, 0, 0, []
+        rank_seconds, round_losses, round_counts, tokens, observations = [0.0] * self.num_ranks, [], [], 0, []
+        all_lengths: list[list[list[int]]] = [[] for _ in micro_batches]
         for m in range(rounds):
             batches = [{k: v.to(device) for k, v in rank[m].items()} for rank in micro_batches]
             lengths = [module.document_lengths(b) for b in batches]
+            for rank, rank_lengths in enumerate(lengths):
+                all_lengths[rank].append(rank_lengths)
             decision = self.controller.plan(lengths) if self.controller is not None else None
             # Lightning divides each micro-batch's loss by the accumulation; the ranks by the global token count.
             round_tokens = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in batches)
             scale = 1.0 / (max(round_tokens, 1) * rounds)
-            records = []
+            records, round_loss = [], 0.0
             for rank, batch in enumerate(batches):
                 module.layer_budgets = decision.ranks[rank].budgets if decision else list(module.base_budgets)
                 seconds, rank_loss = _timed(device, lambda: _forward_backward(module, batch, scale))
                 rank_seconds[rank] += seconds
-                loss_sum += rank_loss
+                round_loss += rank_loss
                 tokens += batch["input_ids"].shape[-1]
                 records.append(StepRecord(lengths[rank], module.sparsity_report()))
-            loss_tokens += round_tokens
+            round_losses.append(round_loss / max(round_tokens, 1))
+            round_counts.append(round_tokens)
             observation = module.cost_model.observe(records)
             if self.controller is not None:
                 self.controller.learn(observation)
             observations.append(observation)
-        optimizer_seconds, _ = _timed(device, self._update)
-        all_lengths = [[module.document_lengths(mb) for mb in rank] for rank in micro_batches]
-        return EmulatedStep(rank_seconds, optimizer_seconds, tokens, loss_sum / max(loss_tokens, 1), all_lengths,
-                            observations)
+        loss = sum(r * n for r, n in zip(round_losses, round_counts)) / max(sum(round_counts), 1)
+        optimizer_seconds, _ = _timed(device, lambda: self._update(math.isfinite(loss)))
+        return EmulatedStep(rank_seconds, optimizer_seconds, tokens, loss, round_losses, all_lengths, observations)
 
     def warm_up(self, batch: dict) -> None:
         """One untimed forward and backward whose gradients are dropped: a process's first pays one-time costs
-        (lazy initialisation, allocator growth) that no rank of a running job pays."""
+        (lazy initialisation, allocator growth) that no rank of a running job pays. The cost model is left as
+        it is: its own ``warmup_steps`` still leave out the first observed micro-batch's times, as in a real run."""
         loss_sum, _ = self.module({k: v.to(self.module.device) for k, v in batch.items()})
         loss_sum.backward()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _update(self) -> None:
-        if self.gradient_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.gradient_clip)
-        self.optimizer.step()
+    def _update(self, finite: bool) -> None:
+        """Clip and step, or drop the gradients of a step whose loss was not finite; the schedule moves on."""
+        if finite:
+            if self.gradient_clip is not None and self.gradient_clip_algorithm == "value":
+                torch.nn.utils.clip_grad_value_(self.module.parameters(), self.gradient_clip)
+            elif self.gradient_clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.gradient_clip)
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -174,6 +199,8 @@ def validation_loss(module: SparseQwen, data: LongContextDataModule) -> float:
 def allreduce_seconds(parameters: int, num_ranks: int, bandwidth_gbps: float, bytes_per_value: int = 4) -> float:
     """A ring all-reduce's time for the gradients (2 (N - 1) / N of their bytes through each rank's link at
     ``bandwidth_gbps`` GB/s): the collective time an emulated step leaves out, estimated, not measured."""
+    if num_ranks < 1 or bandwidth_gbps <= 0:
+        raise ValueError(f"num_ranks={num_ranks} must be at least 1 and bandwidth_gbps={bandwidth_gbps} positive")
     return 2.0 * (num_ranks - 1) / num_ranks * parameters * bytes_per_value / (bandwidth_gbps * 1e9)
 
 

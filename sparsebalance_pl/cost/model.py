@@ -107,7 +107,8 @@ class CostModel:
         latency: the latency model (``LatencyModel.from_file``, the profiler, or ``LatencyModel.analytic``).
         density: the density estimator for sparse attention; None when attention is dense.
         speed_smoothing: weight of each new measurement in a rank's speed, in (0, 1].
-        warmup_steps: the first steps each process observes teach densities but no times: they run slower
+        warmup_steps: the first ``observe`` calls of each process (one per micro-batch round, so per optimiser
+            step only without gradient accumulation) teach densities but no times: they run slower
             (lazy initialisation, allocator growth, first kernel launches; measured 1.4-2x in the worked
             example), and learning from them moved predictions, and DST's anchor, by up to 2x and back.
     """
@@ -166,9 +167,9 @@ class CostModel:
 
         Each rank's speed follows its measured over predicted attention time relative to the other ranks';
         the latency model is calibrated on each rank's time at the nominal speed (a term's scale and a rank's
-        speed together moving by at most ``MAX_STEP_CORRECTION`` per step); the density estimator learns each document's density at the
-        base budget; ``error`` follows how far the predictions made before this step were off. Times of the
-        ``warmup_steps`` first steps are left out.
+        speed together moving by at most ``MAX_STEP_CORRECTION`` per step); the density estimator learns each
+        document's density at the base budget; ``error`` follows how far the predictions made before this step
+        were off. Times of the first ``warmup_steps`` calls are left out.
         """
         records = list(records)
         if len(records) != self.log_speeds.size:

@@ -571,16 +571,21 @@ def latency_model_for_run(
 ) -> LatencyModel:
     """The latency model a training run starts from; never raises for a bad table.
 
-    Uses the table at ``path`` when it fits the model and kernels and was measured on this device in this
-    dtype; otherwise runs the quick profile and saves it to ``path`` (``profile=True``), or, with profiling off,
-    takes a fitting table from another device or else the analytic prior. Online calibration corrects any
+    Uses the table at ``path`` when it fits the model and kernels, was measured on this device in this
+    dtype and reaches documents of ``max_length`` tokens; otherwise runs the quick profile up to ``max_length``
+    and saves it to ``path`` (``profile=True``), or, with profiling off, takes a fitting table from another
+    device or of shorter lengths (extrapolated), or else the analytic prior. Online calibration corrects any
     of them from measured times.
     """
     device = torch.device(device)
     here = device_name(device)
     model = LatencyModel.load_or_none(path, dims, block_size=block_size, stride=stride, device=here)
-    measured_here = model is not None and (model.table.meta.device, model.table.meta.dtype) == (here, _name(dtype))
-    if model is not None and (measured_here or not profile):
+    fits = model is not None and (model.table.meta.device, model.table.meta.dtype) == (here, _name(dtype))
+    if fits and model.table.lengths[-1] < ProfileGrid.quick(max_length).lengths[-1]:
+        log.warning("latency table %s stops at documents of %d tokens, this run needs %d",
+                    path, model.table.lengths[-1], max_length)
+        fits = False
+    if model is not None and (fits or not profile):
         return model
     if profile:
         log.warning("profiling the latency table for %s into %s (quick grid)", here, path)
@@ -595,10 +600,14 @@ def latency_model_for_run(
 
 
 def training_dtype(precision: object, device: torch.device | str) -> torch.dtype:
-    """The dtype attention runs in under ``trainer.precision`` on ``device`` (bf16 only on accelerators: the
-    CPU runs fp32), which a latency table must be measured in."""
-    bf16 = str(precision).startswith("bf16") and torch.device(device).type != "cpu"
-    return torch.bfloat16 if bf16 else torch.float32
+    """The dtype attention runs in under ``trainer.precision`` on ``device`` (half precisions only on
+    accelerators: the CPU runs fp32), which a latency table must be measured in."""
+    precision = str(precision)
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    return torch.float16 if precision.startswith("16") else torch.float32
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -1,8 +1,12 @@
 """Emulated data-parallel ranks against reality: two ranks emulated in one process train on the same
-micro-batches as a real 2-process FSDP2 run of the same configuration and plan, with the same losses."""
+micro-batches as a real 2-process FSDP2 run of the same configuration and plan, with the same losses. Two
+micro-batches per step, so gradient accumulation and the global-token normalisation across it are in the
+check: each step's loss (the last micro-batch's, as Lightning logs it) follows the previous steps' updates."""
 
 import csv
 import hashlib
+import json
+import math
 import os
 import subprocess
 import sys
@@ -13,6 +17,7 @@ from main_runner import HELPERS, REPO, build_demo_data
 
 STEPS = 4
 CORPUS = {"corpus.num_documents": 200, "corpus.max_doc_tokens": 512, "batching.max_tokens": 1024}
+MICRO_BATCHES = 2
 
 
 def _args(run_dir: Path, init: Path) -> list[str]:
@@ -22,6 +27,7 @@ def _args(run_dir: Path, init: Path) -> list[str]:
     return [
         "--config", str(REPO / "configs" / "demo.yaml"), *data, f"--data.corpus.data_dir={run_dir / 'data/demo'}",
         f"--model.model.pretrained_path={init}", f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=0",
+        f"--data.batching.micro_batches={MICRO_BATCHES}", f"--trainer.accumulate_grad_batches={MICRO_BATCHES}",
         "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={run_dir / 'outputs'}",
         f"--trainer.logger.init_args.save_dir={run_dir / 'outputs'}",
     ]
@@ -61,13 +67,45 @@ def test_two_emulated_ranks_match_a_real_two_rank_run(tmp_path):
     for rank in (0, 1):
         for line in (tmp_path / f"batches.{rank}").read_text().splitlines():
             step, digest = line.split()
-            real_batches[(rank, int(step))] = digest
+            real_batches.setdefault((rank, int(step)), []).append(digest)
 
     module, data, trainer = build(_args(tmp_path, init))
     emulated = EmulatedRanks(module, 2, STEPS, gradient_clip=trainer.gradient_clip_val)
     items = data.items("train")
     for step, planned in zip(range(STEPS), data.train_plan(2, rank=0).plan()):
         batches = step_batches(items, planned)
-        assert [_digest(rank[0]) for rank in batches] == [real_batches[(rank, step)] for rank in (0, 1)], step
-        loss = emulated.step(batches).loss
+        digests = [[_digest(micro) for micro in rank] for rank in batches]
+        assert digests == [real_batches[(rank, step)] for rank in (0, 1)], step
+        assert len(digests[0]) == MICRO_BATCHES
+        loss = emulated.step(batches).round_losses[-1]
         assert loss == pytest.approx(real_losses[step], abs=1e-5), f"step {step}"
+
+
+@pytest.mark.slow
+def test_end_to_end_benchmark_emulates_ranks_and_writes_every_step(tmp_path):
+    """``benchmarks/end_to_end.py --ranks 3`` as a user runs it: one epoch per variant over the same documents,
+    results in the issue's schema (every step's per-rank seconds) and the regime it ran in."""
+    small = tmp_path / "small.yaml"
+    small.write_text("model:\n  model:\n    overrides: {num_layers: 1}\ndata:\n  corpus: {build_workers: 1}\n"
+                     "  batching: {num_workers: 0}\n")
+    out = tmp_path / "e2e"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--ranks", "3", "--config",
+         str(REPO / "configs" / "demo.yaml"), "--config", str(small), "--epoch-documents", "60", "--max-tokens", "512",
+         "--variants", "static", "sparsebalance", "--warmup", "1", "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["regime"]["ranks"] == 3 and 0 < results["regime"]["baseline_attention_share_of_compute"] < 1
+    for name in ("static", "sparsebalance"):
+        variant = results["variants"][name]
+        assert variant["steps"] and all(len(step["rank_s"]) == 3 for step in variant["steps"])
+        assert all(step["step_s"] >= max(step["rank_s"]) for step in variant["steps"])
+        assert variant["tokens"] == sum(step["tokens"] for step in variant["steps"]) > 0
+        assert variant["total_s"] == pytest.approx(sum(step["step_s"] for step in variant["steps"]))
+        assert math.isfinite(variant["val_loss"]) and 0 < variant["recall"] <= 1
+    assert (out / "results.md").exists() and (out / "imbalance.png").exists()
+    rejected = subprocess.run([sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--ranks", "3",
+                               "--report-only"], capture_output=True, text=True, timeout=60)
+    assert rejected.returncode == 2 and "--report-only" in rejected.stderr

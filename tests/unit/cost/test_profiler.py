@@ -10,7 +10,13 @@ import torch
 
 from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.model import ModelDims
-from sparsebalance_pl.cost.profiler import ProfileGrid, latency_model_for_run, measure_seconds, profile_hardware
+from sparsebalance_pl.cost.profiler import (
+    ProfileGrid,
+    latency_model_for_run,
+    measure_seconds,
+    profile_hardware,
+    training_dtype,
+)
 
 TINY = ModelDims(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=128)
 TINY_GRID = ProfileGrid(
@@ -78,8 +84,31 @@ def test_run_start_uses_a_fitting_table_without_profiling(tiny_profile, monkeypa
     path, model = tiny_profile
     monkeypatch.setattr("sparsebalance_pl.cost.profiler.profile_hardware", pytest.fail)
     with one_thread():  # the device the table names
-        loaded = latency_model_for_run(path, TINY, device="cpu", **KERNELS)
+        loaded = latency_model_for_run(path, TINY, device="cpu", max_length=256, **KERNELS)
     assert loaded.predict([200], 0.5) == pytest.approx(model.predict([200], 0.5))
+
+
+def test_run_start_profiles_again_for_another_dtype_or_longer_documents(tiny_profile, monkeypatch):
+    path, model = tiny_profile
+    profiled = []
+    monkeypatch.setattr(
+        "sparsebalance_pl.cost.profiler.profile_hardware",
+        lambda dims, **kw: profiled.append(kw) or LatencyModel.analytic(dims, **KERNELS),
+    )
+    with one_thread():
+        latency_model_for_run(path, TINY, device="cpu", dtype=torch.bfloat16, max_length=256, **KERNELS)
+        latency_model_for_run(path, TINY, device="cpu", max_length=1024, **KERNELS)
+        kept = latency_model_for_run(path, TINY, device="cpu", max_length=1024, profile=False, **KERNELS)
+    assert [(kw["dtype"], kw["max_length"]) for kw in profiled] == [(torch.bfloat16, 256), (torch.float32, 1024)]
+    assert kept.predict([200], 0.5) == pytest.approx(model.predict([200], 0.5))  # shorter, but better than a prior
+
+
+@pytest.mark.parametrize("precision, device, dtype", [
+    ("bf16-mixed", "cuda", torch.bfloat16), ("bf16-true", "cpu", torch.float32), ("16-mixed", "cuda", torch.float16),
+    ("32-true", "cuda", torch.float32), (32, "cpu", torch.float32),
+])
+def test_training_dtype_follows_the_precision_off_the_cpu(precision, device, dtype):
+    assert training_dtype(precision, device) == dtype
 
 
 def test_run_start_falls_back_to_the_prior_or_a_profile_for_bad_tables(tmp_path, caplog, monkeypatch):

@@ -1,0 +1,74 @@
+"""Emulated ranks in one process: the step's bookkeeping (unit level; tests/multiprocess/test_emulation.py checks
+the emulation against a real 2-process run)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sparsebalance_pl.attention import AttentionConfig
+from sparsebalance_pl.datamodules.packing import collate_packed
+from sparsebalance_pl.emulation import EmulatedRanks, allreduce_seconds
+from sparsebalance_pl.model import ModelConfig
+from sparsebalance_pl.module import OptimConfig, SparseQwen
+
+TINY = {"num_layers": 1, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128}
+
+
+@pytest.fixture
+def module():
+    torch.manual_seed(0)
+    module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY),
+                        attention=AttentionConfig(backend="sparse", block_size=64, stride=16, tau=0.9),
+                        optim=OptimConfig(lr=1e-3, warmup_steps=0))
+    module.configure_model()
+    return module
+
+
+def _batch(seed: int, lengths=(256, 128)) -> dict:
+    rng = np.random.default_rng(seed)
+    return collate_packed([{"tokens": rng.integers(0, 512, n)} for n in lengths])
+
+
+def test_a_step_times_every_rank_and_counts_what_it_ran(module):
+    ranks = EmulatedRanks(module, 3, total_steps=4, gradient_clip=1.0)
+    step = ranks.step([[_batch(r), _batch(r + 10, (64,))] for r in range(3)])
+    assert len(step.rank_seconds) == 3 and all(s > 0 for s in step.rank_seconds)
+    assert step.seconds == max(step.rank_seconds) + step.optimizer_seconds
+    assert step.tokens == 3 * (384 + 64) and step.lengths[1] == [[256, 128], [64]]
+    assert len(step.round_losses) == 2 == len(step.observations) and math.isfinite(step.loss)
+    assert min(step.round_losses) <= step.loss <= max(step.round_losses)
+
+
+def test_ranks_must_hold_the_same_number_of_micro_batches(module):
+    ranks = EmulatedRanks(module, 2, total_steps=4)
+    with pytest.raises(ValueError, match=r"same number .* got \[1, 2\]"):
+        ranks.step([[_batch(0)], [_batch(1), _batch(2)]])
+    with pytest.raises(ValueError, match=r"got \[0, 0\]"):
+        ranks.step([[], []])
+    with pytest.raises(ValueError, match="needs 2 ranks"):
+        ranks.step([[_batch(0)]])
+    with pytest.raises(ValueError, match="gradient_clip_algorithm"):
+        EmulatedRanks(module, 2, total_steps=4, gradient_clip_algorithm="l2")
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_a_step_with_a_non_finite_loss_drops_its_update(module):
+    ranks = EmulatedRanks(module, 2, total_steps=4)
+    with torch.no_grad():
+        module.net.hf.lm_head.weight[0, 0] = float("nan")  # tied to the embedding: every loss is NaN
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    step = ranks.step([[_batch(0)], [_batch(1)]])
+    assert math.isnan(step.loss)
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, equal_nan=True, msg=name)
+        assert p.grad is None, name
+    assert ranks.scheduler.last_epoch == 1  # the schedule moved on
+
+
+def test_the_allreduce_estimate_is_a_ring_of_the_gradients():
+    assert allreduce_seconds(10**9, 1, 50.0) == 0.0
+    assert allreduce_seconds(10**9, 8, 50.0) == pytest.approx(2 * 7 / 8 * 4e9 / 50e9)
+    with pytest.raises(ValueError):
+        allreduce_seconds(10**9, 0, 50.0)
