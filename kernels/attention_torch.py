@@ -5,7 +5,9 @@ key blocks and cut into chunks; in a chunk every row gathers its kept K/V blocks
 the chunk's longest row with a dummy block that masks itself out), so each row is one [B, D] x [D, n*B]
 matmul and one ordinary softmax, with no scatter across tiles and no T x T matrix. Only tiles that need it
 (diagonal, document boundaries, padding) get a token-level mask. The backward recomputes probabilities
-with a softmax of the recomputed scores over the same kept keys (equal to exp(s - lse), and faster).
+with a softmax of the recomputed scores over the same kept keys (equal to exp(s - lse), and faster), in
+key-major layout so that the dK/dV partials come out tile by tile from untransposed matmuls. K is scaled
+once instead of q (a GQA group's q is several times larger), which also makes dS @ K the finished dQ.
 
 Per-row tensors (q, dO, out, lse, dq) are permuted once per call into the plan's row order, so a chunk
 reads and writes contiguous slices instead of indexing, and each worker reuses its scratch buffers from
@@ -40,11 +42,12 @@ def _to_blocks(x: torch.Tensor, layout: TileLayout, dtype: torch.dtype, extra_bl
     x = x.to(dtype)
     padding = blocks * layout.block_size - num_tokens
     x = torch.cat([x, x.new_zeros(padding, heads, head_dim)]) if padding else x
-    return x.reshape(blocks, layout.block_size, heads, head_dim).permute(2, 0, 1, 3).reshape(-1, layout.block_size, head_dim)
+    x = x.reshape(blocks, layout.block_size, heads, head_dim).permute(2, 0, 1, 3)
+    return x.reshape(-1, layout.block_size, head_dim)
 
 
 def _unblock(x: torch.Tensor, layout: TileLayout, heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``_to_blocks``: [H * (nB (+1)), B, D] -> [T, H, D]."""
+    """Inverse of ``_to_blocks`` with the extra block: [H * (nB + 1), B, D] -> [T, H, D]."""
     head_dim = x.shape[-1]
     x = x.view(heads, -1, layout.block_size, head_dim)[:, : layout.num_blocks]
     x = x.reshape(heads, layout.num_blocks * layout.block_size, head_dim)
@@ -65,6 +68,8 @@ class _Chunk:
 @dataclass
 class _Plan:
     order: torch.Tensor  # [A] global rows h * nB + qb with kept tiles, by decreasing kept count
+    head: torch.Tensor  # [A] their query head h
+    block: torch.Tensor  # [A] and query block qb
     chunks: list[_Chunk]
 
 
@@ -86,7 +91,7 @@ def _build_plan(layout: TileLayout) -> _Plan:
     active = sum(1 for c in widths if c > 0)
     order = order[:active]
     if active == 0:
-        return _Plan(order, [])
+        return _Plan(order, order, order, [])
     # Chunks of consecutive sorted rows, every row padded to its chunk's first (widest) row.
     bounds, start = [], 0
     while start < active:
@@ -134,7 +139,7 @@ def _build_plan(layout: TileLayout) -> _Plan:
         empty = (empty_local[z], empty_offset[z]) if z.stop > z.start else None
         slots = kv_slots[elem_cut[i] : elem_cut[i + 1]].view(b - a, width)
         chunks.append(_Chunk(a, b, slots, mask_row[m], mask_slot[m], blocked[m], empty))
-    return _Plan(order, chunks)
+    return _Plan(order, order // nb, order % nb, chunks)
 
 
 class _Workspace:
@@ -154,8 +159,18 @@ class _Workspace:
         return buf[:numel].view(shape)
 
 
-def _scores(chunk: _Chunk, q_rows: torch.Tensor, k_cols: torch.Tensor, block: int, out: torch.Tensor) -> torch.Tensor:
-    """[R, B, n * B] scores of each row against its gathered key blocks, disallowed pairs at -inf."""
+def _scores(
+    chunk: _Chunk, q_rows: torch.Tensor, k_cols: torch.Tensor, out: torch.Tensor, key_major: bool
+) -> torch.Tensor:
+    """Scores of each row against its gathered key blocks, disallowed pairs at -inf: [R, B, n * B], or
+    [R, n * B, B] when ``key_major`` (the backward's layout)."""
+    block = q_rows.shape[1]
+    if key_major:
+        s = torch.bmm(k_cols, q_rows.transpose(1, 2), out=out)
+        if chunk.mask_row.numel():
+            tiles, which = s.view(-1, block, block), chunk.mask_row * chunk.kv_slots.shape[1] + chunk.mask_slot
+            tiles.index_copy_(0, which, tiles.index_select(0, which).masked_fill_(chunk.blocked.mT, float("-inf")))
+        return s
     s = torch.bmm(q_rows, k_cols.transpose(1, 2), out=out)
     if chunk.mask_row.numel():
         tiles = s.view(s.shape[0], block, -1, block)
@@ -164,12 +179,12 @@ def _scores(chunk: _Chunk, q_rows: torch.Tensor, k_cols: torch.Tensor, block: in
     return s
 
 
-def _softmax(s: torch.Tensor, chunk: _Chunk, out: torch.Tensor) -> torch.Tensor:
-    """Row softmax into ``out`` (may be ``s`` itself: the kernel finishes reading a row before writing it),
-    tokens with no allowed key at 0. torch's softmax is much faster than exp_, hence also in the backward."""
-    p = torch.ops.aten._softmax.out(s, -1, False, out=out)
+def _softmax(s: torch.Tensor, chunk: _Chunk, key_major: bool) -> torch.Tensor:
+    """Softmax over each query's keys, in place (the kernel finishes reading a row before writing it), tokens
+    with no allowed key at 0. torch's softmax is much faster than exp_, hence also in the backward."""
+    p = torch.ops.aten._softmax.out(s, 1 if key_major else -1, False, out=s)
     if chunk.empty is not None:
-        p[chunk.empty] = 0.0
+        (p.mT if key_major else p)[chunk.empty] = 0.0
     return p
 
 
@@ -217,6 +232,22 @@ def _rows(x: torch.Tensor, layout: TileLayout, dtype: torch.dtype, order: torch.
     return _to_blocks(x, layout, dtype).index_select(0, order)
 
 
+def _from_rows(rows: torch.Tensor, layout: TileLayout, plan: _Plan, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``_rows``, [A, B, D] -> [T, Hq, D] in ``dtype`` (0 on rows without kept tiles): one scatter
+    straight into the token layout, where zeroing, reordering and un-blocking cost three passes."""
+    nb, block, heads = layout.num_blocks, layout.block_size, layout.num_q_heads
+    make = torch.empty if plan.order.numel() == heads * nb else torch.zeros
+    x = make(nb, block, heads, rows.shape[-1], dtype=dtype, device=rows.device)
+    x.permute(2, 0, 1, 3)[plan.head, plan.block] = rows.to(dtype)
+    return x.view(nb * block, heads, -1)[: layout.num_tokens]
+
+
+def _kv_blocks(k: torch.Tensor, v: torch.Tensor, layout: TileLayout, dtype: torch.dtype, scale: float):
+    """K (times the softmax scale, cheaper than scaling the Hq / Hkv times larger q) and V as blocks with
+    the dummy block. With K scaled, dS @ K is dQ itself and only dK needs the scale afterwards."""
+    return _to_blocks(k, layout, dtype, extra_block=True).mul_(scale), _to_blocks(v, layout, dtype, extra_block=True)
+
+
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TileLayout, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,8 +255,8 @@ def forward(
     rows with nothing allowed, whose output is 0)."""
     dtype, block, head_dim = _compute_dtype(q.dtype), layout.block_size, q.shape[-1]
     plan = _plan(layout)
-    q_rows = _rows(q, layout, dtype, plan.order).mul_(scale)
-    k_blocks, v_blocks = (_to_blocks(x, layout, dtype, extra_block=True) for x in (k, v))
+    q_rows = _rows(q, layout, dtype, plan.order)
+    k_blocks, v_blocks = _kv_blocks(k, v, layout, dtype, scale)
     out_rows = torch.empty_like(q_rows)
     lse_rows = torch.empty(q_rows.shape[:2], dtype=dtype, device=q.device)
 
@@ -235,21 +266,19 @@ def forward(
         rows, width = chunk.kv_slots.shape
         cols = (rows, width * block, head_dim)
         k_cols = _gather(k_blocks, chunk.kv_slots, ws.get("k", cols, q_rows))
-        s = _scores(chunk, q_rows[a:b], k_cols, block, ws.get("s", (rows, block, width * block), q_rows))
+        s = _scores(chunk, q_rows[a:b], k_cols, ws.get("s", (rows, block, width * block), q_rows), key_major=False)
         # One fused softmax pass plus two max passes: the largest probability is 1 / sum(exp(s - max)), so
         # lse = max - log(max p) without a separate (and slower) exp or logsumexp.
         row_max = s.amax(dim=-1)
-        p = _softmax(s, chunk, s)
+        p = _softmax(s, chunk, key_major=False)
         torch.sub(row_max, p.amax(dim=-1).log_(), out=lse_rows[a:b])
         if chunk.empty is not None:
             lse_rows[a:b][chunk.empty] = float("-inf")
         torch.bmm(p, _gather(v_blocks, chunk.kv_slots, k_cols), out=out_rows[a:b])
 
     _run_chunks(plan.chunks, work)
-    rows = layout.num_q_heads * layout.num_blocks
-    out = q_rows.new_zeros(rows, block, head_dim).index_copy_(0, plan.order, out_rows)
-    lse = lse_rows.new_full((rows, block), float("-inf")).index_copy_(0, plan.order, lse_rows)
-    return _unblock(out, layout, layout.num_q_heads, q.dtype), lse
+    lse = lse_rows.new_full((layout.num_q_heads * layout.num_blocks, block), float("-inf"))
+    return _from_rows(out_rows, layout, plan, q.dtype), lse.index_copy_(0, plan.order, lse_rows)
 
 
 def backward(
@@ -263,13 +292,18 @@ def backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v from the saved output, visiting the kept tiles only (``lse`` is part of the
-    backend interface; here probabilities come from a softmax of the recomputed scores instead)."""
+    backend interface; here probabilities come from a softmax of the recomputed scores instead).
+
+    Scores are key-major here, [R, n * B, B]: the dK and dV partials then come tile by tile from plain
+    matmuls (P^T dO and dS^T Q with a transposed [n * B, B] operand run at half MKL's speed), which outweighs
+    the slightly slower softmax over a strided dimension; the forward keeps query-major scores, where it is
+    the other way round."""
     dtype, block, head_dim = _compute_dtype(q.dtype), layout.block_size, q.shape[-1]
     plan = _plan(layout)
-    q_rows = _rows(q, layout, dtype, plan.order).mul_(scale)
+    q_rows = _rows(q, layout, dtype, plan.order)
     do_rows = _rows(grad_out, layout, dtype, plan.order)
-    delta = _rows(out, layout, dtype, plan.order).mul_(do_rows).sum(dim=-1, keepdim=True)  # [A, B, 1]
-    k_blocks, v_blocks = (_to_blocks(x, layout, dtype, extra_block=True) for x in (k, v))
+    delta = _rows((out.to(dtype) * grad_out.to(dtype)).sum(dim=-1, keepdim=True), layout, dtype, plan.order).mT
+    k_blocks, v_blocks = _kv_blocks(k, v, layout, dtype, scale)
     dq_rows = torch.empty_like(q_rows)
 
     def work(chunk: _Chunk, state: dict) -> None:
@@ -279,18 +313,17 @@ def backward(
             state["ws"] = _Workspace()
         ws = state["ws"]
         rows, width = chunk.kv_slots.shape
-        cols, scores = (rows, width * block, head_dim), (rows, block, width * block)
+        cols, scores = (rows, width * block, head_dim), (rows, width * block, block)
         qr, dor = q_rows[a:b], do_rows[a:b]
         k_cols = _gather(k_blocks, chunk.kv_slots, ws.get("k", cols, q_rows))
         v_cols = _gather(v_blocks, chunk.kv_slots, ws.get("v", cols, q_rows))
-        s = _scores(chunk, qr, k_cols, block, ws.get("s", scores, q_rows))
-        p = _softmax(s, chunk, s)
+        p = _softmax(_scores(chunk, qr, k_cols, ws.get("s", scores, q_rows), key_major=True), chunk, key_major=True)
         slots = chunk.kv_slots.flatten()
         part = ws.get("part", cols, q_rows)
-        state["dv"].index_add_(0, slots, torch.bmm(p.transpose(1, 2), dor, out=part).view(-1, block, head_dim))
-        ds = torch.bmm(dor, v_cols.transpose(1, 2), out=ws.get("ds", scores, q_rows)).sub_(delta[a:b]).mul_(p)
-        torch.bmm(ds, k_cols, out=dq_rows[a:b])
-        state["dk"].index_add_(0, slots, torch.bmm(ds.transpose(1, 2), qr, out=part).view(-1, block, head_dim))
+        state["dv"].index_add_(0, slots, torch.bmm(p, dor, out=part).view(-1, block, head_dim))
+        ds = torch.bmm(v_cols, dor.mT, out=ws.get("ds", scores, q_rows)).sub_(delta[a:b]).mul_(p)
+        torch.bmm(ds.mT, k_cols, out=dq_rows[a:b])
+        state["dk"].index_add_(0, slots, torch.bmm(ds, qr, out=part).view(-1, block, head_dim))
 
     states = _run_chunks(plan.chunks, work)
     dk, dv = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
@@ -298,10 +331,8 @@ def backward(
         if state:
             dk += state["dk"]
             dv += state["dv"]
-    rows = layout.num_q_heads * layout.num_blocks
-    dq = q_rows.new_zeros(rows, block, head_dim).index_copy_(0, plan.order, dq_rows.mul_(scale))
     return (
-        _unblock(dq, layout, layout.num_q_heads, q.dtype),
-        _unblock(dk, layout, layout.num_kv_heads, k.dtype),
+        _from_rows(dq_rows, layout, plan, q.dtype),
+        _unblock(dk.mul_(scale), layout, layout.num_kv_heads, k.dtype),
         _unblock(dv, layout, layout.num_kv_heads, v.dtype),
     )
