@@ -12,7 +12,8 @@ once instead of q (a GQA group's q is several times larger), which also makes dS
 Per-row tensors (q, dO, out, lse, dq) are permuted once per call into the plan's row order, so a chunk
 reads and writes contiguous slices instead of indexing, and each worker reuses its scratch buffers from
 chunk to chunk. With several torch threads the chunks are shared among that many Python threads running
-single-threaded ops: these many small ops scale much better across chunks than inside each op.
+single-threaded ops: these many small ops scale much better across chunks than inside each op. The rest
+of a call runs single-threaded too (see ``single_threaded``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import TileLayout
+from .layout import TileLayout, single_threaded
 
 # Score elements (rows x B x kept keys) per chunk: small enough for a chunk's buffers to stay in cache,
 # large enough to amortise the per-chunk operator overhead (2^19 measured best against 2^17..2^21).
@@ -195,18 +196,10 @@ def _gather(blocks: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> tor
     return out
 
 
-def _run_chunks(chunks: list[_Chunk], work) -> list:
+def _run_chunks(chunks: list[_Chunk], work, threads: int) -> list:
     """Calls ``work(chunk, state)`` on every chunk; returns the per-worker states (``state`` is a dict each
-    worker owns). With more than one torch thread the chunks are pulled by that many Python threads, each
-    running single-threaded ops (ops release the GIL, so the Python overhead of one overlaps the other's
-    compute); the global thread count is restored afterwards."""
-    workers = min(torch.get_num_threads(), len(chunks))
-    if workers <= 1:
-        state: dict = {}
-        for chunk in chunks:
-            work(chunk, state)
-        return [state]
-    previous = torch.get_num_threads()
+    worker owns). With ``threads`` > 1 the chunks are pulled by that many Python threads, each running
+    single-threaded ops (ops release the GIL, so the Python overhead of one overlaps the other's compute)."""
     counter = itertools.count()
 
     def loop() -> dict:
@@ -218,13 +211,12 @@ def _run_chunks(chunks: list[_Chunk], work) -> list:
             work(chunks[i], state)
         return state
 
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(loop) for _ in range(workers)]
-            return [f.result() for f in futures]
-    finally:
-        torch.set_num_threads(previous)
+    workers = min(threads, len(chunks))
+    if workers <= 1:
+        return [loop()]
+    with ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(loop) for _ in range(workers)]
+        return [f.result() for f in futures]
 
 
 def _rows(x: torch.Tensor, layout: TileLayout, dtype: torch.dtype, order: torch.Tensor) -> torch.Tensor:
@@ -253,6 +245,11 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the output [T, Hq, D] in q's dtype and the log-sum-exp [Hq * nB, B] (fp32 or fp64; -inf on
     rows with nothing allowed, whose output is 0)."""
+    with single_threaded() as threads:
+        return _forward(q, k, v, layout, scale, threads)
+
+
+def _forward(q, k, v, layout: TileLayout, scale: float, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
     dtype, block, head_dim = _compute_dtype(q.dtype), layout.block_size, q.shape[-1]
     plan = _plan(layout)
     q_rows = _rows(q, layout, dtype, plan.order)
@@ -276,7 +273,7 @@ def forward(
             lse_rows[a:b][chunk.empty] = float("-inf")
         torch.bmm(p, _gather(v_blocks, chunk.kv_slots, k_cols), out=out_rows[a:b])
 
-    _run_chunks(plan.chunks, work)
+    _run_chunks(plan.chunks, work, threads)
     lse = lse_rows.new_full((layout.num_q_heads * layout.num_blocks, block), float("-inf"))
     return _from_rows(out_rows, layout, plan, q.dtype), lse.index_copy_(0, plan.order, lse_rows)
 
@@ -298,6 +295,11 @@ def backward(
     matmuls (P^T dO and dS^T Q with a transposed [n * B, B] operand run at half MKL's speed), which outweighs
     the slightly slower softmax over a strided dimension; the forward keeps query-major scores, where it is
     the other way round."""
+    with single_threaded() as threads:
+        return _backward(q, k, v, out, grad_out, layout, scale, threads)
+
+
+def _backward(q, k, v, out, grad_out, layout: TileLayout, scale: float, threads: int):
     dtype, block, head_dim = _compute_dtype(q.dtype), layout.block_size, q.shape[-1]
     plan = _plan(layout)
     q_rows = _rows(q, layout, dtype, plan.order)
@@ -325,7 +327,7 @@ def backward(
         torch.bmm(ds.mT, k_cols, out=dq_rows[a:b])
         state["dk"].index_add_(0, slots, torch.bmm(ds, qr, out=part).view(-1, block, head_dim))
 
-    states = _run_chunks(plan.chunks, work)
+    states = _run_chunks(plan.chunks, work, threads)
     dk, dv = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
     for state in states:
         if state:

@@ -8,9 +8,24 @@ Because documents are contiguous, sharing a document reduces to ``first_doc[qb] 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+
+@contextmanager
+def single_threaded():
+    """Runs torch's CPU ops single-threaded inside (yielding the previous thread count, restored on exit).
+    Small ops gain nothing from OpenMP and lose a great deal when another process holds a core: every
+    parallel region then waits for a descheduled thread (building a layout and the torch backend's plan took
+    20x longer so on a shared machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield previous
+    finally:
+        torch.set_num_threads(previous)
 
 
 def check_power_of_two(name: str, value: int) -> None:
@@ -165,6 +180,7 @@ class TileLayout:
     scratch: dict = field(default_factory=dict, compare=False, repr=False)  # per-backend derived data
 
     @staticmethod
+    @single_threaded()
     def build(block_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_kv_heads: int, block_size: int) -> "TileLayout":
         num_tokens = int(cu_seqlens[-1])
         doc = token_doc_ids(cu_seqlens.to(block_mask.device), num_tokens)
@@ -173,6 +189,7 @@ class TileLayout:
         return TileLayout._from_tiles(kept, doc, doc, blocks, blocks, num_kv_heads, block_size)
 
     @staticmethod
+    @single_threaded()
     def build_ring_step(
         block_mask: torch.Tensor | None,
         doc: torch.Tensor,

@@ -87,6 +87,25 @@ def test_non_contiguous_inputs(backend):
     check_against_reference(backend, q, k, v, mask, cu, block_size=16)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("always_kept", [True, False])
+def test_torch_backend_many_chunks_and_workers(monkeypatch, threads, always_kept):
+    """Scattered masks cut into many chunks of different widths, shared by one or two worker threads (the
+    benchmark sizes' code paths on a small case): gradients accumulated across chunks and workers stay
+    exact, and the caller's thread count is restored."""
+    from sparsebalance_pl.kernels import attention_torch
+
+    monkeypatch.setattr(attention_torch, "_CHUNK_ELEMENTS", 1 << 11)
+    case = packed_case(12, 400, 4, 2, 16, 16, keep=0.3, always_kept=always_kept)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_against_reference("torch", *case, block_size=16)
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_full_mask_is_causal_attention_within_documents(backend):
     q, k, v, mask, cu = packed_case(3, 90, 4, 2, 16, 16, device=device_for(backend))
