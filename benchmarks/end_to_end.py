@@ -227,11 +227,11 @@ def merge_rounds(summaries: list[dict]) -> dict:
     return {key: median(key, value) for key, value in summaries[0].items()}
 
 
-def emulate_variant(base: dict, name: str, args: argparse.Namespace, round_index: int) -> dict:
-    """One variant over ``--ranks`` emulated ranks in this process, summarised as ``summarise`` does a real run,
-    plus every step's per-rank times (``steps``)."""
+def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_index: int):
+    """A variant's model, data module, Trainer, DST controller and epoch plan for ``--ranks`` ranks, set up as a
+    real run would be before its first step (``benchmarks/simulate.py`` predicts the same plan's times)."""
     from sparsebalance_pl.callbacks.controller import DSTController
-    from sparsebalance_pl.emulation import EmulatedRanks, allreduce_seconds, build, step_batches, validation_loss
+    from sparsebalance_pl.emulation import build
 
     run_dir = (args.out / f"{name}-round{round_index}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -245,6 +245,15 @@ def emulate_variant(base: dict, name: str, args: argparse.Namespace, round_index
     controller = DSTController(module.cost_model, module.base_budgets, anchor=args.anchor, p=p)
     plan = data.train_plan(args.ranks, rank=0).plan()
     plan = plan if args.epoch_documents is not None else plan[: args.steps]
+    return module, data, trainer, controller, plan
+
+
+def emulate_variant(base: dict, name: str, args: argparse.Namespace, round_index: int) -> dict:
+    """One variant over ``--ranks`` emulated ranks in this process, summarised as ``summarise`` does a real run,
+    plus every step's per-rank times (``steps``)."""
+    from sparsebalance_pl.emulation import EmulatedRanks, allreduce_seconds, step_batches, validation_loss
+
+    module, data, trainer, controller, plan = prepare_emulated(base, name, args, round_index)
     items = data.items("train")
     emulated = EmulatedRanks(module, args.ranks, len(plan), controller=controller,
                              gradient_clip=trainer.gradient_clip_val,

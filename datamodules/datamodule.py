@@ -308,7 +308,8 @@ class LongContextDataModule(L.LightningDataModule):
             resume = self._resume or {"epoch": 0, "batches_consumed": 0}
             self._resume = None
             sampler = self.train_plan(num_ranks, rank, epoch=resume["epoch"], skip=resume["batches_consumed"],
-                                      planned_costs=resume.get("plan_costs"))
+                                      planned_costs=resume.get("plan_costs"),
+                                      planned_step_overhead=resume.get("plan_step_overhead"))
             self.train_sampler = sampler
         else:
             plan = first_fit_plan(
@@ -401,6 +402,7 @@ class LongContextDataModule(L.LightningDataModule):
         sampler = self.train_sampler
         if sampler is not None and sampler.plan_costs is not None and sampler.plan_costs[0] == trainer.current_epoch:
             state["plan_costs"] = sampler.plan_costs[1].tolist()
+            state["plan_step_overhead"] = sampler.plan_step_overhead
         return state
 
     def load_state_dict(self, state: dict) -> None:

@@ -67,6 +67,9 @@ class PlannerConfig:
         defer_target: the predicted balance at which a group of waiting outliers is released at the latest
             (as the group's earliest deadline comes); outliers just drawn wait for a perfect group.
         oversize: a document longer than ``capacity`` is an ``"error"`` or is ``"split"`` into pieces.
+        step_overhead: predicted seconds each step costs beyond its micro-batches (the optimiser, collectives
+            that compute does not hide), in the unit of the costs: a batch is cut short to balance only when
+            what it saves exceeds the share of an extra step's overhead the tokens it gives back will cost.
         seed: with the epoch, seeds the permutation.
         shuffle: permute the documents each epoch (else keep dataset order).
     """
@@ -78,6 +81,7 @@ class PlannerConfig:
     defer_window: int = 0
     defer_target: float = 0.95
     oversize: Literal["error", "split"] = "error"
+    step_overhead: float = 0.0
     seed: int = 0
     shuffle: bool = True
 
@@ -89,6 +93,8 @@ class PlannerConfig:
             raise ConfigError(f"capacity={self.capacity} must be at least tokens_per_rank={self.tokens_per_rank}")
         if self.defer_window < 0:
             raise ConfigError(f"defer_window={self.defer_window} must be non-negative")
+        if not self.step_overhead >= 0:
+            raise ConfigError(f"step_overhead={self.step_overhead} must be non-negative")
         if not 0 < self.defer_target <= 1:
             raise ConfigError(f"defer_target={self.defer_target} must lie in (0, 1]")
         if self.oversize not in ("error", "split"):
@@ -431,11 +437,11 @@ class _Step:
 
     def _rebalance(self, parts: list[list[int]]) -> list[list[int]]:
         """Give back ordinary tail segments when the capacity holds the step above its bound max(mean,
-        costliest), if the step's balance improves (else keep ``parts``).
+        costliest), if the epoch gets shorter (else keep ``parts``).
 
         A slot above the bound is full of segments it was forced to take; giving back as many tokens as it
-        must shed lets the other slots take them over. The tokens given back cost the later steps less
-        time than the imbalance costs this one.
+        must shed lets the other slots take them over: the step is shorter, and the work given back costs the
+        later steps its balanced time, plus a step's overhead if it adds a step to the epoch.
         """
         cost, tokens = self.costs.cost[self.chosen], self.stream.length[self.chosen]
         excess = _excess_tokens(cost, tokens, parts, self.config.slots)
@@ -449,10 +455,26 @@ class _Step:
             cost_now, tokens_now = self.costs.cost[self.chosen], self.stream.length[self.chosen]
             trimmed = partition(cost_now, self.config.slots, tokens=tokens_now, capacity=self.config.cap,
                                 start=[slot_of[p] for p in self.chosen])
-            if _efficiency(cost_now, trimmed) > _efficiency(cost, parts):
+            if self._trim_saves_time(cost, parts, cost_now, trimmed, full_tokens=saved[1]):
                 return trimmed
         self.chosen, self.tokens, self.cursor, self.queue = saved
         return parts
+
+    def _trim_saves_time(self, cost: np.ndarray, parts: list[list[int]], cost_now: np.ndarray,
+                         trimmed: list[list[int]], full_tokens: int) -> bool:
+        """Whether the trimmed step plus the later cost of what it gives back is shorter than the full step.
+
+        A step lasts about ``micro_batches`` times its slowest slot; the work given back costs its balanced
+        time over the ranks later, and the overhead of one more step when the epoch's remaining tokens then
+        need one more full budget.
+        """
+        config, stream = self.config, self.stream
+        left = int(stream.cum[-1] - stream.cum[self.state.cursor]) + sum(
+            int(stream.length[p]) for p, _ in self.state.deferred)
+        extra_steps = -(-(left - self.tokens) // self.budget) - -(-(left - full_tokens) // self.budget)
+        later = (cost.sum() - cost_now.sum()) / config.world_size + config.step_overhead * max(extra_steps, 0)
+        slowest = config.micro_batches * max(cost_now[part].sum() for part in trimmed)
+        return slowest + later < config.micro_batches * max(cost[part].sum() for part in parts)
 
     def _give_back(self, outliers: bool = True) -> bool:
         """Return the last admitted segment that may leave to the stream or the queue; False if none may, or
@@ -473,9 +495,6 @@ class _Step:
         return False
 
 
-def _efficiency(cost: np.ndarray, parts: list[list[int]]) -> float:
-    """Mean over max of the slot costs."""
-    return 1.0 / imbalance([cost[part].sum() for part in parts])
 
 
 def _excess_tokens(cost: np.ndarray, tokens: np.ndarray, parts: list[list[int]], slots: int) -> int:

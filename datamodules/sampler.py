@@ -185,13 +185,15 @@ class SparsityAwareSampler(PlannedBatchSampler):
     processes started, so the rank is known) ``DataLoader(dataset, batch_sampler=SparsityAwareSampler(...),
     collate_fn=...)``; with gradient accumulation, ``batching.micro_batches`` must equal
     ``accumulate_grad_batches``. Resume: build it with the ``epoch`` and the micro-batches this rank consumed
-    in it (``skip``), and with ``planned_costs``, the costs that epoch was planned with (``plan_costs``): the
-    cost model has learned since, and the rest of the epoch must be the same plan.
+    in it (``skip``), and with ``planned_costs`` and ``planned_step_overhead``, the costs and step overhead
+    that epoch was planned with (``plan_costs``, ``plan_step_overhead``): the cost model has learned since,
+    and the rest of the epoch must be the same plan.
 
     Args:
         lengths: tokens of each document, by dataset index.
         batching: how documents are packed and balanced (``BatchingConfig``).
-        cost_model: the run's cost model, read when an epoch is planned.
+        cost_model: the run's cost model, read when an epoch is planned: its document costs, and its measured
+            ``step_overhead``, which SAB weighs against balance when it cuts a batch short.
         seed: seed of the per-epoch shuffling.
         num_replicas, rank: data-parallel ranks and this rank (default: from ``torch.distributed``).
     """
@@ -208,6 +210,7 @@ class SparsityAwareSampler(PlannedBatchSampler):
         epoch: int = 0,
         skip: int = 0,
         planned_costs=None,
+        planned_step_overhead: float | None = None,
     ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.batching, self.cost_model, self.seed = batching, cost_model, seed
@@ -216,18 +219,25 @@ class SparsityAwareSampler(PlannedBatchSampler):
         if not 0 <= rank < self.num_replicas:
             raise ConfigError(f"rank={rank} must lie in [0, num_replicas={self.num_replicas})")
         self.plan_costs: tuple[int, np.ndarray] | None = None  # (epoch, per-document costs it was planned with)
+        self.plan_step_overhead = 0.0  # the step overhead that epoch was planned with
         self.planned_efficiency: dict[int, float] = {}
         self._saved_costs = {} if planned_costs is None else {epoch: np.asarray(planned_costs, dtype=np.float64)}
+        self._saved_overhead = {} if planned_step_overhead is None else {epoch: float(planned_step_overhead)}
         super().__init__(self._plan_epoch, rank=rank, epoch=epoch, skip=skip)
 
     def document_costs(self) -> np.ndarray:
         lengths = self.lengths.astype(np.float64)
         return lengths if self.cost_model is None else self.cost_model.document_costs(lengths)
 
+    def step_overhead(self) -> float:
+        return 0.0 if self.cost_model is None else self.cost_model.step_overhead
+
     def _plan_epoch(self, epoch: int) -> EpochPlan:
         costs = self._saved_costs.pop(epoch, None)
         costs = self.document_costs() if costs is None else costs
-        self.plan_costs = (epoch, costs)
+        overhead = self._saved_overhead.pop(epoch, None)
+        overhead = self.step_overhead() if overhead is None else overhead
+        self.plan_costs, self.plan_step_overhead = (epoch, costs), overhead
         if self.batching.method == "first_fit":
             plan = first_fit_plan(self.lengths, costs, max_tokens=self.batching.max_tokens,
                                   num_ranks=self.num_replicas, seed=self.seed, epoch=epoch, shuffle=True)
@@ -238,6 +248,7 @@ class SparsityAwareSampler(PlannedBatchSampler):
                 capacity=self.batching.max_tokens,
                 micro_batches=self.batching.micro_batches,
                 defer_window=self.batching.defer_window,
+                step_overhead=overhead,
                 seed=self.seed,
             )
             cost_of_length = dict(zip(self.lengths.tolist(), costs.tolist()))  # costs depend on length alone

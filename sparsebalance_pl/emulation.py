@@ -156,6 +156,8 @@ class EmulatedRanks:
             observations.append(observation)
         loss = sum(r * n for r, n in zip(round_losses, round_counts)) / max(sum(round_counts), 1)
         optimizer_seconds, _ = _timed(device, lambda: self._update(math.isfinite(loss)))
+        if math.isfinite(loss):  # what the real run's optimizer_step teaches the cost model
+            module.cost_model.observe_step_overhead(optimizer_seconds)
         return EmulatedStep(rank_seconds, optimizer_seconds, tokens, loss, round_losses, all_lengths, observations)
 
     def warm_up(self, batch: dict) -> None:

@@ -16,7 +16,7 @@ from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, Att
 from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel, SparsityReport, observe_step
 from sparsebalance_pl.cost.profiler import latency_model_for_run, training_dtype
 from sparsebalance_pl.datamodules.packing import collate_packed
-from sparsebalance_pl.distributed import all_ranks, gather_objects
+from sparsebalance_pl.distributed import all_ranks, gather_floats, gather_objects
 from sparsebalance_pl.errors import ConfigError, TrainingError
 from sparsebalance_pl.evaluation import Evaluation
 from sparsebalance_pl.kernels.selection import LayerBudget
@@ -236,14 +236,21 @@ class SparseQwen(L.LightningModule):
         self.log("train/tokens_per_s", tokens_per_s, batch_size=1, sync_dist=True, reduce_fx="sum")
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
-        """The usual step, unless a loss of this step was not finite: then the gradients are dropped."""
+        """The usual step, unless a loss of this step was not finite: then the gradients are dropped. The
+        optimiser's time (the slowest rank's) teaches the cost model the step overhead SAB weighs."""
         if optimizer_closure is not None:
             optimizer_closure()  # forward and backward, run on every rank alike so collectives stay matched
         if self.skip_update:
             optimizer.zero_grad(set_to_none=True)
             self.skip_update = False
             return
+        start = time.perf_counter()
         optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = gather_floats([time.perf_counter() - start], device=self.device).max()
+        self.cost_model.observe_step_overhead(float(seconds))
+        self.log("latency/step_overhead_s", self.cost_model.step_overhead, batch_size=1)
 
     def _flag_nonfinite(self, batch_idx: int) -> None:
         """Mark this step's update to be skipped because its loss is not finite on some rank.

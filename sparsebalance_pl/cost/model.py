@@ -102,6 +102,8 @@ class CostModel:
 
     ``error`` is the typical relative error (as |log(measured / predicted)|) of its recent predictions of the
     ranks' attention times, made before each step: what DST takes for the noise of its predictions.
+    ``step_overhead`` is the measured seconds a step costs beyond its micro-batches (the optimiser step), which
+    sparsity-aware batching weighs against balance.
 
     Args:
         latency: the latency model (``LatencyModel.from_file``, the profiler, or ``LatencyModel.analytic``).
@@ -132,6 +134,8 @@ class CostModel:
         self.log_speeds = np.zeros(0)
         self.error = UNCALIBRATED_ERROR
         self.steps_observed = 0
+        self.step_overhead = 0.0
+        self.overheads_observed = 0
         self.last_step: StepObservation | None = None
 
     # ------------------------------------------------------------------------------------------ predicting
@@ -220,6 +224,15 @@ class CostModel:
         weight = max(1.0 / (self.steps_observed + 1), 1.0 / 3.0)
         self.error += weight * (float(np.median(step_errors)) - self.error)
 
+    def observe_step_overhead(self, seconds: float) -> None:
+        """Learn the step overhead from one optimiser step's measured seconds (the same on every rank: the
+        slowest rank's). A process's first is left out: it allocates the optimiser's state."""
+        self.overheads_observed += 1
+        if self.overheads_observed == 1 or not math.isfinite(seconds) or seconds < 0:
+            return
+        weight = max(1.0 / (self.overheads_observed - 1), self.speed_smoothing)
+        self.step_overhead += weight * (seconds - self.step_overhead)
+
     def observe_densities(self, lengths: Sequence[int], densities: Sequence[float]) -> None:
         """Learn documents' densities at the base budget measured outside training (a calibration pass)."""
         self._observe_density(lengths, densities)
@@ -237,6 +250,7 @@ class CostModel:
             "log_speeds": self.log_speeds.tolist(),
             "error": self.error,
             "steps_observed": self.steps_observed,
+            "step_overhead": self.step_overhead,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -246,6 +260,7 @@ class CostModel:
         self.log_speeds = np.asarray(state.get("log_speeds", []), dtype=np.float64)
         self.error = float(state.get("error", UNCALIBRATED_ERROR))
         self.steps_observed = int(state.get("steps_observed", 0))
+        self.step_overhead = float(state.get("step_overhead", 0.0))
 
 
 def timed_seconds(model: LatencyModel, lengths: Sequence[int], density: float) -> float:

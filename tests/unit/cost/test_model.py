@@ -106,3 +106,15 @@ def test_rank_count_change_restarts_speeds(caplog):
     cost.observe([_record(_cost(), LONG, 0.4), _record(_cost(), SHORT, 0.4, slower=1.5)])
     cost.observe([_record(_cost(), LONG, 0.4)] * 3)
     assert cost.log_speeds.size == 3 and "restart" in caplog.text
+
+
+def test_step_overhead_follows_the_measured_optimiser_time_after_the_first_step():
+    cost = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16), speed_smoothing=0.5)
+    cost.observe_step_overhead(5.0)  # the first step allocates the optimiser's state
+    assert cost.step_overhead == 0.0
+    for seconds in (0.2, 0.2, 0.2, float("nan"), 0.2):
+        cost.observe_step_overhead(seconds)
+    assert cost.step_overhead == pytest.approx(0.2)
+    restored = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16))
+    restored.load_state_dict(cost.state_dict())
+    assert restored.step_overhead == pytest.approx(0.2)

@@ -181,3 +181,21 @@ def test_density_prior_falls_with_length_and_learns_deterministically() -> None:
         DensityEstimator(bins_per_octave=4).load_state_dict(estimator.state_dict())
     with pytest.raises(ValueError, match="densities"):
         estimator.observe([100], [1.5])
+
+
+def test_a_step_overhead_keeps_batches_whole_when_trimming_would_add_a_step() -> None:
+    """Trimming a step to balance moves work to later steps; with an overhead per step (the optimiser) it is
+    worth it only if the epoch does not need one more step. Without one the plan is what it always was."""
+    lengths = _lengths(600)
+    free = list(plan_epoch(lengths, _cost, _config(world_size=8), 0))
+    assert _segments(free) == _segments(list(plan_epoch(lengths, _cost, _config(world_size=8, step_overhead=0.0), 0)))
+    costly = list(plan_epoch(lengths, _cost, _config(world_size=8, step_overhead=1.0), 0))
+    assert sorted(_segments(costly)) == sorted(_segments(free))  # every document once either way
+    assert len(costly) < len(free)
+
+    def epoch_seconds(batches, overhead):
+        return sum(b.costs.sum(axis=0).max() + overhead for b in batches)
+
+    assert epoch_seconds(costly, 1.0) < epoch_seconds(free, 1.0)
+    with pytest.raises(ConfigError, match="step_overhead"):
+        _config(step_overhead=-1.0)

@@ -46,9 +46,11 @@ def test_resume_continues_the_same_plan_with_the_costs_it_was_planned_with():
     epoch, costs = first.plan_costs
     changed = _cost()
     changed.density.observe([4096], [0.05])  # learned since: planning again from it would change the plan
+    changed.step_overhead = 1.0
     resumed = SparsityAwareSampler(LENGTHS, first.batching, cost_model=changed, seed=3, num_replicas=4, rank=1,
-                                   epoch=epoch, skip=5, planned_costs=costs)
-    assert list(resumed) == batches[5:]
+                                   epoch=epoch, skip=5, planned_costs=costs,
+                                   planned_step_overhead=first.plan_step_overhead)
+    assert list(resumed) == batches[5:] and resumed.plan_step_overhead == 0.0
     resumed.set_epoch(1)  # the next epoch is planned from the cost model as it is now
     resumed.plan()
     assert resumed.plan_costs[0] == 1 and not np.allclose(resumed.plan_costs[1], costs)
