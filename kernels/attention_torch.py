@@ -9,11 +9,11 @@ with a softmax of the recomputed scores over the same kept keys (equal to exp(s 
 key-major layout so that the dK/dV partials come out tile by tile from untransposed matmuls. K is scaled
 once instead of q (a GQA group's q is several times larger), which also makes dS @ K the finished dQ.
 
-Per-row tensors (q, dO, out, lse, dq) are permuted once per call into the plan's row order, so a chunk
-reads and writes contiguous slices instead of indexing, and each worker reuses its scratch buffers from
-chunk to chunk. With several torch threads the chunks are shared among that many Python threads running
-single-threaded ops: these many small ops scale much better across chunks than inside each op. The rest
-of a call runs single-threaded too (see ``single_threaded``).
+q and dO are cut into blocks once per call; each chunk gathers its rows of them and writes its rows of
+the output and dQ straight into token layout (so this work too is shared by the workers), and each worker
+reuses its scratch buffers from chunk to chunk. With several torch threads the chunks are shared among
+that many Python threads running single-threaded ops: these many small ops scale much better across
+chunks than inside each op. The rest of a call runs single-threaded too (see ``single_threaded``).
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def _unblock(x: torch.Tensor, layout: TileLayout, heads: int, dtype: torch.dtype
 
 @dataclass
 class _Chunk:
-    start: int  # rows start:stop of the plan's row order
-    stop: int
+    rows: torch.Tensor  # [R] global rows h * nB + qb (a slice of the plan's row order)
+    head: torch.Tensor  # [R] their query head h
+    block: torch.Tensor  # [R] and query block qb
     kv_slots: torch.Tensor  # [R, n] indices into the flattened [Hkv * (nB + 1)] K/V blocks
     mask_row: torch.Tensor  # [M] local row of each tile needing a token mask
     mask_slot: torch.Tensor  # [M] its slot
@@ -68,9 +69,7 @@ class _Chunk:
 
 @dataclass
 class _Plan:
-    order: torch.Tensor  # [A] global rows h * nB + qb with kept tiles, by decreasing kept count
-    head: torch.Tensor  # [A] their query head h
-    block: torch.Tensor  # [A] and query block qb
+    num_rows: int  # rows with kept tiles; chunks hold them in order of decreasing kept count
     chunks: list[_Chunk]
 
 
@@ -92,7 +91,7 @@ def _build_plan(layout: TileLayout) -> _Plan:
     active = sum(1 for c in widths if c > 0)
     order = order[:active]
     if active == 0:
-        return _Plan(order, order, order, [])
+        return _Plan(0, [])
     # Chunks of consecutive sorted rows, every row padded to its chunk's first (widest) row.
     bounds, start = [], 0
     while start < active:
@@ -134,13 +133,14 @@ def _build_plan(layout: TileLayout) -> _Plan:
     elem_cut = elem_cut.tolist()
     mask_row, mask_slot, blocked = row_local[elem_row[masked]], slot[masked], (~allowed)[which]
     empty_local = row_local[empty_row]
+    head, qb = order // nb, order % nb
     chunks = []
     for i, (a, b, width) in enumerate(bounds):
         m, z = slice(mask_cut[i], mask_cut[i + 1]), slice(empty_cut[i], empty_cut[i + 1])
         empty = (empty_local[z], empty_offset[z]) if z.stop > z.start else None
         slots = kv_slots[elem_cut[i] : elem_cut[i + 1]].view(b - a, width)
-        chunks.append(_Chunk(a, b, slots, mask_row[m], mask_slot[m], blocked[m], empty))
-    return _Plan(order, order // nb, order % nb, chunks)
+        chunks.append(_Chunk(order[a:b], head[a:b], qb[a:b], slots, mask_row[m], mask_slot[m], blocked[m], empty))
+    return _Plan(active, chunks)
 
 
 class _Workspace:
@@ -219,19 +219,22 @@ def _run_chunks(chunks: list[_Chunk], work, threads: int) -> list:
         return [f.result() for f in futures]
 
 
-def _rows(x: torch.Tensor, layout: TileLayout, dtype: torch.dtype, order: torch.Tensor) -> torch.Tensor:
-    """[T, Hq, D] -> [A, B, D]: the blocks of the plan's rows, in its order."""
-    return _to_blocks(x, layout, dtype).index_select(0, order)
+def _token_output(layout: TileLayout, plan: _Plan, like: torch.Tensor) -> torch.Tensor:
+    """[nB, B, Hq, D] in ``like``'s dtype for the chunks to fill with ``_put_rows`` (zeros only where some
+    row has no kept tile): written straight in token layout, without reordering and un-blocking passes."""
+    nb, heads = layout.num_blocks, layout.num_q_heads
+    make = torch.empty if plan.num_rows == heads * nb else torch.zeros
+    return make(nb, layout.block_size, heads, like.shape[-1], dtype=like.dtype, device=like.device)
 
 
-def _from_rows(rows: torch.Tensor, layout: TileLayout, plan: _Plan, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``_rows``, [A, B, D] -> [T, Hq, D] in ``dtype`` (0 on rows without kept tiles): one scatter
-    straight into the token layout, where zeroing, reordering and un-blocking cost three passes."""
-    nb, block, heads = layout.num_blocks, layout.block_size, layout.num_q_heads
-    make = torch.empty if plan.order.numel() == heads * nb else torch.zeros
-    x = make(nb, block, heads, rows.shape[-1], dtype=dtype, device=rows.device)
-    x.permute(2, 0, 1, 3)[plan.head, plan.block] = rows.to(dtype)
-    return x.view(nb * block, heads, -1)[: layout.num_tokens]
+def _put_rows(x: torch.Tensor, chunk: _Chunk, rows: torch.Tensor) -> None:
+    """A chunk's rows [R, B, D] into their places of ``_token_output``."""
+    x.permute(2, 0, 1, 3)[chunk.head, chunk.block] = rows.to(x.dtype)
+
+
+def _tokens(x: torch.Tensor, layout: TileLayout) -> torch.Tensor:
+    """``_token_output`` [nB, B, H, D] -> [T, H, D]."""
+    return x.view(-1, *x.shape[2:])[: layout.num_tokens]
 
 
 def _kv_blocks(k: torch.Tensor, v: torch.Tensor, layout: TileLayout, dtype: torch.dtype, scale: float):
@@ -252,30 +255,31 @@ def forward(
 def _forward(q, k, v, layout: TileLayout, scale: float, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
     dtype, block, head_dim = _compute_dtype(q.dtype), layout.block_size, q.shape[-1]
     plan = _plan(layout)
-    q_rows = _rows(q, layout, dtype, plan.order)
+    q_blocks = _to_blocks(q, layout, dtype)
     k_blocks, v_blocks = _kv_blocks(k, v, layout, dtype, scale)
-    out_rows = torch.empty_like(q_rows)
-    lse_rows = torch.empty(q_rows.shape[:2], dtype=dtype, device=q.device)
+    out = _token_output(layout, plan, q)
+    lse = q_blocks.new_full((layout.num_q_heads * layout.num_blocks, block), float("-inf"))
 
     def work(chunk: _Chunk, state: dict) -> None:
-        a, b = chunk.start, chunk.stop
         ws = state.setdefault("ws", _Workspace())
         rows, width = chunk.kv_slots.shape
         cols = (rows, width * block, head_dim)
-        k_cols = _gather(k_blocks, chunk.kv_slots, ws.get("k", cols, q_rows))
-        s = _scores(chunk, q_rows[a:b], k_cols, ws.get("s", (rows, block, width * block), q_rows), key_major=False)
+        q_rows = torch.index_select(q_blocks, 0, chunk.rows, out=ws.get("q", (rows, block, head_dim), q_blocks))
+        k_cols = _gather(k_blocks, chunk.kv_slots, ws.get("k", cols, q_blocks))
+        s = _scores(chunk, q_rows, k_cols, ws.get("s", (rows, block, width * block), q_blocks), key_major=False)
         # One fused softmax pass plus two max passes: the largest probability is 1 / sum(exp(s - max)), so
         # lse = max - log(max p) without a separate (and slower) exp or logsumexp.
         row_max = s.amax(dim=-1)
         p = _softmax(s, chunk, key_major=False)
-        torch.sub(row_max, p.amax(dim=-1).log_(), out=lse_rows[a:b])
+        lse_rows = row_max.sub_(p.amax(dim=-1).log_())
         if chunk.empty is not None:
-            lse_rows[a:b][chunk.empty] = float("-inf")
-        torch.bmm(p, _gather(v_blocks, chunk.kv_slots, k_cols), out=out_rows[a:b])
+            lse_rows[chunk.empty] = float("-inf")
+        lse.index_copy_(0, chunk.rows, lse_rows)
+        v_cols = _gather(v_blocks, chunk.kv_slots, k_cols)
+        _put_rows(out, chunk, torch.bmm(p, v_cols, out=ws.get("o", (rows, block, head_dim), q_blocks)))
 
     _run_chunks(plan.chunks, work, threads)
-    lse = lse_rows.new_full((layout.num_q_heads * layout.num_blocks, block), float("-inf"))
-    return _from_rows(out_rows, layout, plan, q.dtype), lse.index_copy_(0, plan.order, lse_rows)
+    return _tokens(out, layout), lse
 
 
 def backward(
@@ -302,29 +306,29 @@ def backward(
 def _backward(q, k, v, out, grad_out, layout: TileLayout, scale: float, threads: int):
     dtype, block, head_dim = _compute_dtype(q.dtype), layout.block_size, q.shape[-1]
     plan = _plan(layout)
-    q_rows = _rows(q, layout, dtype, plan.order)
-    do_rows = _rows(grad_out, layout, dtype, plan.order)
-    delta = _rows((out.to(dtype) * grad_out.to(dtype)).sum(dim=-1, keepdim=True), layout, dtype, plan.order).mT
+    q_blocks, do_blocks = _to_blocks(q, layout, dtype), _to_blocks(grad_out, layout, dtype)
+    delta = _to_blocks((out.to(dtype) * grad_out.to(dtype)).sum(dim=-1, keepdim=True), layout, dtype).mT
     k_blocks, v_blocks = _kv_blocks(k, v, layout, dtype, scale)
-    dq_rows = torch.empty_like(q_rows)
+    dq = _token_output(layout, plan, q)
 
     def work(chunk: _Chunk, state: dict) -> None:
-        a, b = chunk.start, chunk.stop
         if not state:
             state["dk"], state["dv"] = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
             state["ws"] = _Workspace()
         ws = state["ws"]
         rows, width = chunk.kv_slots.shape
-        cols, scores = (rows, width * block, head_dim), (rows, width * block, block)
-        qr, dor = q_rows[a:b], do_rows[a:b]
-        k_cols = _gather(k_blocks, chunk.kv_slots, ws.get("k", cols, q_rows))
-        v_cols = _gather(v_blocks, chunk.kv_slots, ws.get("v", cols, q_rows))
-        p = _softmax(_scores(chunk, qr, k_cols, ws.get("s", scores, q_rows), key_major=True), chunk, key_major=True)
+        cols, scores, own = (rows, width * block, head_dim), (rows, width * block, block), (rows, block, head_dim)
+        qr = torch.index_select(q_blocks, 0, chunk.rows, out=ws.get("q", own, q_blocks))
+        dor = torch.index_select(do_blocks, 0, chunk.rows, out=ws.get("do", own, q_blocks))
+        k_cols = _gather(k_blocks, chunk.kv_slots, ws.get("k", cols, q_blocks))
+        v_cols = _gather(v_blocks, chunk.kv_slots, ws.get("v", cols, q_blocks))
+        p = _softmax(_scores(chunk, qr, k_cols, ws.get("s", scores, q_blocks), key_major=True), chunk, key_major=True)
         slots = chunk.kv_slots.flatten()
-        part = ws.get("part", cols, q_rows)
+        part = ws.get("part", cols, q_blocks)
         state["dv"].index_add_(0, slots, torch.bmm(p, dor, out=part).view(-1, block, head_dim))
-        ds = torch.bmm(v_cols, dor.mT, out=ws.get("ds", scores, q_rows)).sub_(delta[a:b]).mul_(p)
-        torch.bmm(ds.mT, k_cols, out=dq_rows[a:b])
+        ds = torch.bmm(v_cols, dor.mT, out=ws.get("ds", scores, q_blocks))
+        ds.sub_(delta.index_select(0, chunk.rows)).mul_(p)
+        _put_rows(dq, chunk, torch.bmm(ds.mT, k_cols, out=ws.get("dq", own, q_blocks)))
         state["dk"].index_add_(0, slots, torch.bmm(ds, qr, out=part).view(-1, block, head_dim))
 
     states = _run_chunks(plan.chunks, work, threads)
@@ -334,7 +338,7 @@ def _backward(q, k, v, out, grad_out, layout: TileLayout, scale: float, threads:
             dk += state["dk"]
             dv += state["dv"]
     return (
-        _from_rows(dq_rows, layout, plan, q.dtype),
+        _tokens(dq, layout),
         _unblock(dk.mul_(scale), layout, layout.num_kv_heads, k.dtype),
         _unblock(dv, layout, layout.num_kv_heads, v.dtype),
     )
