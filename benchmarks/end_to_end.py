@@ -101,6 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("outputs/e2e"))
     parser.add_argument("--report-only", action="store_true", help="re-read the runs already in --out, run nothing")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # kept with emulated results, for simulate.py
     args.config = args.config or [ROOT / "configs" / "demo.yaml"]
     if args.ranks is not None and args.ranks < 1:
         parser.error(f"--ranks {args.ranks} must be at least 1")
@@ -444,7 +445,8 @@ def write_emulated(base: dict, results: dict, args: argparse.Namespace) -> None:
         name: {**{k: v for k, v in r.items() if k not in ("curves", "steps_detail")}, "steps": r["steps_detail"]}
         for name, r in results.items()
     }
-    (args.out / "results.json").write_text(json.dumps({"variants": variants, "regime": regime}, indent=1))
+    (args.out / "results.json").write_text(json.dumps({"variants": variants, "regime": regime, "argv": args.argv},
+                                                      indent=1))
     for path in plot(results, args.out, f"{args.ranks} emulated ranks", imbalance_of="compute"):
         print(f"wrote {path}")
 

@@ -1,0 +1,270 @@
+"""A cluster SIMULATION of SparseBalance over many data-parallel ranks: predicted times, nothing measured.
+
+The real planner (``SparsityAwareSampler``: SAB, or first-fit for the baselines) plans one epoch of documents
+for N ranks and the real DST controller picks every rank's budget at every step, exactly as in training; then
+each rank's time is what the cost model predicts for its documents at its budget, and a step lasts as long
+as its slowest rank (collectives and the optimiser left out, as in the emulation). No model runs, so 64
+ranks at 128K tokens take seconds. What it cannot show: anything the cost model gets wrong (the simulated
+hardware behaves exactly as predicted, so DST never misses its anchor), and no online correction (the
+predictions stay those of the starting table and densities).
+
+Cluster runs (``cluster``): lengths drawn from the WLB-LLM and ProLong distributions (../shared/data, built in),
+scaled so that their 99th percentile lands on ``--max-tokens``; Qwen2.5-0.5B dimensions; latency from a table
+(``--latency``, e.g. one profiled on a GPU by ``main.py profile``) or, without one, the analytic model fitted to
+the H100 figures in docs/RESULTS.md (``h100_latency``: our Triton kernel's per-tile time and cuDNN-era
+per-token time, both measured 2026-11-22); densities from the length law of ``DensityEstimator`` scaled so that
+a ``--density-at``-token document has density ``--density`` (default: the real SmolLM2's 0.27 at 4,096 tokens
+and tau 0.9, docs/RESULTS.md)::
+
+    python benchmarks/simulate.py cluster --ranks 8 32 64 --max-tokens 32768 131072 --out outputs/simulate
+
+The check against measurement (``check``): the planner and controller set up exactly as an emulated run of
+``benchmarks/end_to_end.py --ranks N`` sets them up before its first step (its own arguments, kept in its
+``results.json``: the same configuration, documents, latency table and calibrated densities), their
+predicted epoch time per variant beside the times that run measured::
+
+    python benchmarks/simulate.py check --emulated outputs/e2e_emulated_8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from sparsebalance_pl.balance import balance_efficiency  # noqa: E402
+from sparsebalance_pl.callbacks.controller import DSTController  # noqa: E402
+from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel  # noqa: E402
+from sparsebalance_pl.datamodules.sampler import BatchingConfig, EpochPlan, PaddingItem, SparsityAwareSampler  # noqa: E402
+from sparsebalance_pl.datamodules.synthetic import LengthPrior  # noqa: E402
+from sparsebalance_pl.kernels.selection import LayerBudget  # noqa: E402
+from sparsebalance_pl.model import PRESETS  # noqa: E402
+
+# name: (attention, batching, DST p: 0 keeps the base budget, None tunes with --p), as in end_to_end.py
+VARIANTS = {
+    "dense": ("dense", "first_fit", 0.0),
+    "static": ("sparse", "first_fit", 0.0),
+    "sab": ("sparse", "sab", 0.0),
+    "dst": ("sparse", "first_fit", None),
+    "sparsebalance": ("sparse", "sab", None),
+}
+BASELINE = "static"
+
+# Measured on an H100 (docs/RESULTS.md, 2026-11-22, bf16, Qwen2.5-0.5B attention shape): our Triton attention's
+# forward + backward per layer at full density on one 131,072-token document, its selection on the same, and
+# the whole model's forward + backward on one 32,768-token document with dense (cuDNN) attention.
+H100_ATTENTION_128K_S = 0.4684
+H100_SELECTION_128K_S = 0.0202
+H100_MODEL_32K_S = 0.8153
+H100_CUDNN_ATTENTION_128K_S = 0.2540
+
+
+def h100_latency(dims, attention_128k_s: float = H100_ATTENTION_128K_S) -> LatencyModel:
+    """The analytic latency model with its throughputs fitted to the H100 figures above: the per-token terms
+    to the whole-model step less its cuDNN attention, attention to ``attention_128k_s`` at full density (our
+    kernel's; cuDNN's for dense attention), selection to its measured time. Linear in kept tiles: the
+    kernel's fixed costs at short lengths are not in it."""
+    flops = LatencyModel.analytic(dims, block_size=64, stride=16, flops_per_second=1.0, attention_efficiency=1.0)
+    table = flops.table  # FLOP counts (seconds at 1 FLOP/s), the fixed overheads in seconds
+    per_token = (H100_MODEL_32K_S - dims.num_layers * H100_CUDNN_ATTENTION_128K_S / 16) / 32768  # quadratic
+    token_flops = table.token_layer * dims.num_layers + table.token_head
+    attention_flops = np.interp(131072, table.lengths, table.attention[:, -1])
+    selection_flops = np.interp(131072, table.lengths, table.selection)
+    scales = [per_token / token_flops, attention_128k_s / attention_flops,
+              H100_SELECTION_128K_S / selection_flops, 1.0]
+    meta = replace(table.meta, device="H100 (analytic, fitted to docs/RESULTS.md)", dtype="bfloat16")
+    return LatencyModel(replace(table.scaled(scales), meta=meta))
+
+
+def density_law(block_size: int, density: float, at_tokens: int, exponent: float = 0.5) -> DensityEstimator:
+    """The estimator's length law, (dense_blocks / blocks) ** exponent, through ``density`` at ``at_tokens``."""
+    blocks = at_tokens / block_size
+    return DensityEstimator(block_size=block_size, dense_blocks=blocks * density ** (1.0 / exponent),
+                            exponent=exponent)
+
+
+def predicted_epoch(plan: EpochPlan, lengths: np.ndarray, controller: DSTController) -> list[list[float]]:
+    """Every step's predicted seconds per rank: each micro-batch round's budgets from ``controller`` as DST
+    picks them in training, each rank's time the cost model's prediction at them."""
+    steps = []
+    for step in plan:
+        rank_s = np.zeros(len(step.micro_batches))
+        for m in range(len(step.micro_batches[0])):
+            docs = [[lengths[item.index if isinstance(item, PaddingItem) else item] for item in rank[m]]
+                    for rank in step.micro_batches]
+            rank_s += controller.plan(docs).predicted
+        steps.append(rank_s.tolist())
+    return steps
+
+
+def summary(steps: list[list[float]], tokens: int) -> dict:
+    total = sum(max(r) for r in steps)
+    return {
+        "steps": len(steps),
+        "total_s": total,
+        "tokens": tokens,
+        "tokens_per_s": tokens / total,
+        "removable_imbalance": total / sum(statistics.fmean(r) for r in steps),
+        "balance_efficiency": balance_efficiency(steps),
+    }
+
+
+def plan_tokens(plan: EpochPlan, lengths: np.ndarray) -> int:
+    return int(sum(lengths[item.index if isinstance(item, PaddingItem) else item]
+                   for step in plan for rank in step.micro_batches for mb in rank for item in mb))
+
+
+def simulate_cluster(args: argparse.Namespace) -> dict:
+    dims = PRESETS[args.preset]
+
+    def latency_of(attention: str) -> LatencyModel:
+        if args.latency:
+            return LatencyModel.from_file(args.latency, dims, block_size=64, stride=16)
+        return h100_latency(dims, H100_CUDNN_ATTENTION_128K_S if attention == "dense" else H100_ATTENTION_128K_S)
+
+    rows = []
+    for data in args.data:
+        prior = LengthPrior.load(data)
+        for max_tokens in args.max_tokens:
+            lengths = prior.sample(args.documents, np.random.default_rng(args.seed), max_tokens)
+            for ranks in args.ranks:
+                results = {}
+                for name in args.variants:
+                    attention, batching, p = VARIANTS[name]
+                    density = density_law(64, args.density, args.density_at) if attention == "sparse" else None
+                    cost = CostModel(latency_of(attention), density)
+                    cost.error = args.prediction_error
+                    budgets = [LayerBudget(tau=args.tau)] * dims.num_layers
+                    controller = DSTController(cost, budgets, anchor=args.anchor, p=args.p if p is None else p)
+                    config = BatchingConfig(method=batching, max_tokens=max_tokens,
+                                            defer_window=args.defer_window if batching == "sab" else 0)
+                    plan = SparsityAwareSampler(lengths, config, cost_model=cost, seed=args.seed,
+                                                num_replicas=ranks, rank=0).plan()
+                    results[name] = summary(predicted_epoch(plan, lengths, controller), plan_tokens(plan, lengths))
+                rows.append({"data": data, "max_tokens": max_tokens, "ranks": ranks, "variants": results})
+                print(row_line(rows[-1]), flush=True)
+    return {"kind": "cluster simulation", "latency": args.latency or "h100_latency", "rows": rows}
+
+
+def row_line(row: dict) -> str:
+    base = row["variants"].get(BASELINE)
+    cells = []
+    for name, r in row["variants"].items():
+        speedup = base["total_s"] / r["total_s"] if base else float("nan")
+        cells.append(f"{name} {r['total_s']:.1f} s ({speedup:.2f}x)")
+    bound = f", baseline's removable imbalance {base['removable_imbalance']:.3f}" if base else ""
+    return f"{row['data']} {row['max_tokens']} tokens, {row['ranks']} ranks{bound}: " + "; ".join(cells)
+
+
+def cluster_table(result: dict) -> str:
+    names = list(result["rows"][0]["variants"])
+    lines = [
+        f"SIMULATION (predicted, not measured); latency: {result['latency']}. Epoch time per variant, "
+        f"speed-up against `{BASELINE}` (static sparse, first-fit) in brackets; bound = the baseline's removable "
+        "imbalance (the most any balancing can gain).",
+        "",
+        "| data | tokens | ranks | bound | " + " | ".join(names) + " |",
+        "|---|---|---|---|" + "---|" * len(names),
+    ]
+    for row in result["rows"]:
+        base = row["variants"][BASELINE]
+        cells = [f"{r['total_s']:.1f} s ({base['total_s'] / r['total_s']:.2f}x)" for r in row["variants"].values()]
+        lines.append(f"| {row['data']} | {row['max_tokens']} | {row['ranks']} | {base['removable_imbalance']:.3f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def check_against_emulation(args: argparse.Namespace) -> dict:
+    """Predicted epoch times of the emulated run's own plans, from the table and densities it started with."""
+    import end_to_end
+
+    emulated = json.loads((args.emulated / "results.json").read_text())
+    measured = emulated["variants"]
+    if "argv" not in emulated:
+        raise SystemExit(f"{args.emulated}/results.json does not keep the arguments it was run with")
+    e2e_args = end_to_end.parse_args([*emulated["argv"], "--out", str(args.out / "setup")])  # the last --out wins
+    base = end_to_end.merged_configs(e2e_args.config)
+    rows = {}
+    for name in [v for v in args.variants if v in measured]:
+        module, data, _, controller, plan = end_to_end.prepare_emulated(base, name, e2e_args, 0)
+        lengths = np.asarray(data.lengths("train"))
+        predicted = summary(predicted_epoch(plan, lengths, controller), plan_tokens(plan, lengths))
+        got = measured[name]
+        compute = sum(max(step["rank_s"]) for step in got["steps"])  # the emulation's step less its optimiser
+        rows[name] = {"predicted_s": predicted["total_s"], "measured_s": compute,
+                      "error": predicted["total_s"] / compute - 1.0,
+                      "predicted_bound": predicted["removable_imbalance"],
+                      "measured_bound": compute / sum(statistics.fmean(s["rank_s"]) for s in got["steps"])}
+        print(f"  {name}: predicted {predicted['total_s']:.1f} s, measured {compute:.1f} s "
+              f"({rows[name]['error']:+.1%})", flush=True)
+    return {"kind": "simulation checked against emulation", "emulated": str(args.emulated), "rows": rows}
+
+
+def check_table(result: dict) -> str:
+    lines = [
+        f"Simulation against the emulated run {result['emulated']} (same configuration, documents, plans, latency "
+        "table and calibrated densities): predicted and measured compute time over the epoch (slowest rank per "
+        "step, optimiser left out), and the removable imbalance each sees.",
+        "",
+        "| variant | predicted s | measured s | error | predicted bound | measured bound |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in result["rows"].items():
+        lines.append(f"| {name} | {r['predicted_s']:.1f} | {r['measured_s']:.1f} | {r['error']:+.1%} "
+                     f"| {r['predicted_bound']:.3f} | {r['measured_bound']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=("cluster", "check"))
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[32768, 131072],
+                        help="longest document and micro-batch")
+    parser.add_argument("--data", nargs="+", default=["wlbllm", "prolong"], choices=LengthPrior.BUILTIN)
+    parser.add_argument("--documents", type=int, default=4000, help="cluster: documents in the simulated epoch")
+    parser.add_argument("--preset", default="qwen2.5-0.5b", choices=sorted(PRESETS))
+    parser.add_argument("--latency", type=Path, default=None, help="cluster: a profiled latency table (JSON)")
+    parser.add_argument("--density", type=float, default=0.27, help="cluster: density at --density-at tokens")
+    parser.add_argument("--density-at", type=int, default=4096)
+    parser.add_argument("--tau", type=float, default=0.9)
+    parser.add_argument("--defer-window", type=int, default=8, help="cluster: SAB's deferral window")
+    parser.add_argument("--p", type=float, default=0.1)
+    parser.add_argument("--anchor", default="mean")
+    parser.add_argument("--prediction-error", type=float, default=0.06,
+                        help="cluster: the cost model's error DST assumes (calibrated: the worked example measured "
+                             "0.06-0.09); the simulated hardware itself runs exactly as predicted")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--emulated", type=Path, help="check: the --out folder of an emulated end_to_end run")
+    parser.add_argument("--out", type=Path, default=Path("outputs/simulate"))
+    args = parser.parse_args(argv)
+    if args.mode == "check" and args.emulated is None:
+        parser.error("check needs --emulated, the --out folder of an emulated end_to_end.py run")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.mode == "cluster":
+        result, table = simulate_cluster(args), None
+        table = cluster_table(result)
+    else:
+        result = check_against_emulation(args)
+        table = check_table(result)
+    print(table)
+    (args.out / f"{args.mode}.md").write_text(table)
+    (args.out / f"{args.mode}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The cluster simulation (benchmarks/simulate.py): the real planner and DST controller over many ranks, with
+times predicted by the cost model."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from main_runner import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import simulate  # noqa: E402
+
+from sparsebalance_pl.model import PRESETS  # noqa: E402
+
+
+def test_the_h100_model_reproduces_the_figures_it_was_fitted_to():
+    dims = PRESETS["qwen2.5-0.5b"]
+    ours = simulate.h100_latency(dims)
+    cudnn = simulate.h100_latency(dims, simulate.H100_CUDNN_ATTENTION_128K_S)
+    parts = ours.breakdown([131072], 1.0)
+    assert parts["attention"] / dims.num_layers == pytest.approx(simulate.H100_ATTENTION_128K_S, rel=0.01)
+    assert parts["selection"] / dims.num_layers == pytest.approx(simulate.H100_SELECTION_128K_S, rel=0.01)
+    dense_32k = cudnn.breakdown([32768], 1.0)
+    assert sum(v for k, v in dense_32k.items() if k != "selection") == pytest.approx(simulate.H100_MODEL_32K_S,
+                                                                                      rel=0.05)
+
+
+def test_the_density_law_passes_through_the_given_point():
+    law = simulate.density_law(64, 0.27, 4096)
+    assert law(np.array([4096.0]))[0] == pytest.approx(0.27)
+    assert law(np.array([16384.0]))[0] < 0.27
+
+
+def test_a_cluster_simulation_balances_where_the_baseline_cannot(tmp_path, capsys):
+    simulate.main(["cluster", "--ranks", "16", "--max-tokens", "32768", "--data", "wlbllm", "--documents", "800",
+                   "--density", "0.6", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "cluster.json").read_text())
+    (row,) = result["rows"]
+    variants = row["variants"]
+    assert set(variants) == set(simulate.VARIANTS) and row["ranks"] == 16
+    static, balanced = variants["static"], variants["sparsebalance"]
+    assert static["removable_imbalance"] > 1.05
+    assert balanced["total_s"] < static["total_s"] and balanced["balance_efficiency"] > static["balance_efficiency"]
+    assert "SIMULATION" in (tmp_path / "cluster.md").read_text() and "SIMULATION" in capsys.readouterr().out
