@@ -233,3 +233,20 @@ def test_public_name_is_the_cost_packages_model():
     import sparsebalance_pl.latency as public
 
     assert public.LatencyModel is LatencyModel
+
+
+def test_a_kernel_with_a_fixed_cost_per_row_is_inverted_on_its_own_curve():
+    """Attention time that is not linear in kept tiles (here a fixed cost per document, a fifth of the dense
+    time, as the CPU table measures at short lengths): the profiled table holds the curve and ``density_for``
+    inverts it, where a model linear in tiles with the same dense time would pick a density far off."""
+    from dataclasses import replace
+
+    base = analytic().table
+    dense = base.attention[:, -1:]
+    curved = LatencyModel(replace(base, attention=0.2 * dense + dense * base.densities[None, :]))
+    linear = LatencyModel(replace(base, attention=1.2 * dense * base.densities[None, :]))
+    lengths = [4096]
+    target = curved.predict(lengths, 0.3)
+    assert curved.density_for(lengths, target) == pytest.approx(0.3, abs=1e-6)
+    assert linear.predict(lengths, 1.0) == pytest.approx(curved.predict(lengths, 1.0))
+    assert linear.density_for(lengths, target) > 0.35  # the fixed cost read as kept tiles
