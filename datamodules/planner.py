@@ -433,15 +433,31 @@ class _Step:
             if self._give_back():
                 self.budget = self.tokens
                 return None
-        return partition(*args, **kwargs)
+        try:
+            return partition(*args, **kwargs)
+        except CapacityError:
+            self._postpone()
+            self.budget = self.tokens
+            return None
+
+    def _postpone(self) -> None:
+        """Move the last admitted segment to the next step although it may not wait (it is due, or drawn
+        before the last): segments due together fit in half the budget, but those of several deadlines (left
+        over when a step had no room) and the step's own may not pack into the slots. One step late beats no
+        plan; a single segment always packs, so this ends."""
+        p = self.chosen.pop()
+        self.tokens -= int(self.stream.length[p])
+        self.queue[p] = self.state.step + 1
 
     def _rebalance(self, parts: list[list[int]]) -> list[list[int]]:
         """Give back ordinary tail segments when the capacity holds the step above its bound max(mean,
-        costliest), if the epoch gets shorter (else keep ``parts``).
+        costliest), if the step's balance improves and, when that adds a step to the epoch, what the step
+        saves exceeds that step's overhead (else keep ``parts``).
 
         A slot above the bound is full of segments it was forced to take; giving back as many tokens as it
-        must shed lets the other slots take them over: the step is shorter, and the work given back costs the
-        later steps its balanced time, plus a step's overhead if it adds a step to the epoch.
+        must shed lets the other slots take them over. The tokens given back cost the later steps less
+        time than the imbalance costs this one, unless they make the epoch one step longer and the steps'
+        overhead outweighs the saving.
         """
         cost, tokens = self.costs.cost[self.chosen], self.stream.length[self.chosen]
         excess = _excess_tokens(cost, tokens, parts, self.config.slots)
@@ -462,17 +478,19 @@ class _Step:
 
     def _trim_saves_time(self, cost: np.ndarray, parts: list[list[int]], cost_now: np.ndarray,
                          trimmed: list[list[int]], full_tokens: int) -> bool:
-        """Whether the trimmed step plus the later cost of what it gives back is shorter than the full step.
-
-        A step lasts about ``micro_batches`` times its slowest slot; the work given back costs its balanced
-        time over the ranks later, and the overhead of one more step when the epoch's remaining tokens then
-        need one more full budget.
-        """
+        """Whether the trimmed step is better balanced and, if the epoch's remaining tokens then need one more
+        full budget, the trimmed step plus the later cost of what it gives back (its balanced time over the
+        ranks and that step's overhead) is shorter than the full step (which lasts about ``micro_batches``
+        times its slowest slot)."""
+        if _efficiency(cost_now, trimmed) <= _efficiency(cost, parts):
+            return False
         config, stream = self.config, self.stream
         left = int(stream.cum[-1] - stream.cum[self.state.cursor]) + sum(
             int(stream.length[p]) for p, _ in self.state.deferred)
         extra_steps = -(-(left - self.tokens) // self.budget) - -(-(left - full_tokens) // self.budget)
-        later = (cost.sum() - cost_now.sum()) / config.world_size + config.step_overhead * max(extra_steps, 0)
+        if config.step_overhead == 0 or extra_steps <= 0:
+            return True
+        later = (cost.sum() - cost_now.sum()) / config.world_size + config.step_overhead * extra_steps
         slowest = config.micro_batches * max(cost_now[part].sum() for part in trimmed)
         return slowest + later < config.micro_batches * max(cost[part].sum() for part in parts)
 
@@ -495,6 +513,11 @@ class _Step:
         return False
 
 
+
+
+def _efficiency(cost: np.ndarray, parts: list[list[int]]) -> float:
+    """Mean over max of the slot costs."""
+    return 1.0 / imbalance([cost[part].sum() for part in parts])
 
 
 def _excess_tokens(cost: np.ndarray, tokens: np.ndarray, parts: list[list[int]], slots: int) -> int:

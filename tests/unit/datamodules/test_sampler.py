@@ -59,3 +59,19 @@ def test_resume_continues_the_same_plan_with_the_costs_it_was_planned_with():
 def test_bad_rank_is_named():
     with pytest.raises(ConfigError, match="rank=4 must lie in"):
         SparsityAwareSampler(LENGTHS, BatchingConfig(), num_replicas=4, rank=4)
+
+
+@pytest.mark.parametrize("seed, epoch", [(1, 1), (3, 2)])
+def test_many_documents_at_the_capacity_with_deferral_still_plan(seed, epoch):
+    """A corpus split at the capacity holds many documents exactly as long as a micro-batch (24% of real text
+    pieces at 8K tokens). With deferral, the segments due at one step could then fit in no packing of its
+    slots, and the planner stopped with ``CapacityError``; now the last one waits a step more."""
+    rng = np.random.default_rng(seed)
+    lengths = np.where(rng.random(300) < 0.24, 2048, np.clip(rng.lognormal(6.8, 1.2, 300).astype(int), 16, 2048))
+    sampler = SparsityAwareSampler(lengths, BatchingConfig(method="sab", max_tokens=2048, defer_window=8),
+                                   cost_model=_cost(), num_replicas=2, rank=0, epoch=epoch)
+    plan = sampler.plan()
+    seen = [i for step in plan for rank in step.micro_batches for mb in rank for i in mb if isinstance(i, int)]
+    assert sorted(seen) == list(range(len(lengths)))
+    assert all(sum(lengths[i if isinstance(i, int) else i.index] for i in mb) <= 2048
+               for step in plan for rank in step.micro_batches for mb in rank)
