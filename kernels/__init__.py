@@ -22,6 +22,10 @@ _EXPORTS = {
     "context_shard": ".ring",
     "context_unshard": ".ring",
     "sparse_ring_attention": ".ring",
+    "rank_blocks_striped": ".selection",
+    "select_blocks_striped": ".selection",
+    "select_with_budget_striped": ".selection",
+    "StripedRanking": ".selection",
 }
 
 __all__ = sorted(_EXPORTS)

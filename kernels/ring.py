@@ -270,7 +270,7 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _group_place(group: dist.ProcessGroup | None) -> tuple[int, int]:
+def group_place(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(world size, rank) of the group; without a process group, a ring of one."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1, 0
@@ -301,13 +301,14 @@ def sparse_ring_attention(
     context-parallel process group (None: the default group, or a ring of one without a process group).
     Returns this rank's output rows [T/W, Hq, D], differentiable in q, k and v; gathered with
     ``context_unshard`` they equal ``block_sparse_attention`` on the whole stream. Every rank of the group
-    must call it with the same cu_seqlens and block_mask.
+    must call it with the same cu_seqlens; of block_mask it reads only the rows of its own query blocks, so
+    each rank may pass the mask ``select_blocks_striped`` gives it (the other ranks' rows False).
 
     ``node_size``: a hierarchical ring for groups spanning nodes, an inner ring over each node's
     ``node_size`` neighbouring group ranks and an outer ring over the nodes, each outer transfer hidden
     behind a whole inner ring of compute (the striping stays over the flat group). None: one flat ring.
     """
-    world_size, rank = _group_place(group)
+    world_size, rank = group_place(group)
     node_size = world_size if node_size is None else node_size
     if not isinstance(node_size, int) or node_size < 1 or world_size % node_size:
         raise ValueError(f"node_size must divide the group's {world_size} ranks into whole nodes, got {node_size!r}")

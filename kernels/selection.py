@@ -19,8 +19,10 @@ lowest-mass blocks across all rows and heads, which loses the least estimated ma
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .attention import resolve_backend
@@ -32,8 +34,10 @@ from .layout import (
     forced_tiles,
     group_doc_range,
     num_blocks,
+    striped_blocks,
     token_doc_ids,
 )
+from .ring import context_unshard, group_place
 
 # Stride-level score elements (heads x query groups x key groups) per chunk of query blocks.
 _CHUNK_ELEMENTS = 1 << 24
@@ -80,14 +84,22 @@ class BlockRanking:
         """``count`` [Hq, nB] cut to at most ``max_tiles`` kept tiles (never below the always-kept ones): the
         optional blocks (ranked after the always-kept ones) of least estimated mass go first, across rows and
         heads. One threshold on the mass, no host synchronisation; tied masses at it are all dropped."""
-        forced = self.forced.expand_as(count)
-        ranks = torch.arange(self.order.shape[-1], device=count.device)
-        optional = (ranks >= forced[..., None]) & (ranks < count[..., None])
-        mass = torch.where(optional, self.sorted_mass, torch.full_like(self.sorted_mass, -1.0))
+        forced, mass = self._optional_mass(count)
         ordered = mass.flatten().sort(descending=True).values
         spare = torch.as_tensor(max_tiles, device=count.device) - forced.sum()
         first_dropped = ordered[spare.clamp(0, ordered.numel() - 1).long()]
         return forced + (mass > first_dropped).sum(dim=-1)
+
+    def _optional_mass(self, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forced counts [Hq, nB], the ``sorted_mass`` of the optional blocks ``count`` keeps, -1 elsewhere)."""
+        forced = self.forced.expand_as(count)
+        ranks = torch.arange(self.order.shape[-1], device=count.device)
+        optional = (ranks >= forced[..., None]) & (ranks < count[..., None])
+        return forced, torch.where(optional, self.sorted_mass, torch.full_like(self.sorted_mass, -1.0))
+
+    def _total(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over every row of the stream: these rows are all of them."""
+        return x
 
     def select(
         self, tau: float, max_density: float | None = None, max_tiles=None
@@ -164,36 +176,55 @@ def _kept_counts(mass_before, row_mass, candidates, forced, taus, max_density) -
 
 
 def estimate_block_mass(
-    q: torch.Tensor, k: torch.Tensor, doc: torch.Tensor, block_size: int, stride: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    doc: torch.Tensor,
+    block_size: int,
+    stride: int,
+    scale: float,
+    q_blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[Hq, nB, nB] fp32 estimated attention mass of each block, rows normalised over candidates (torch)."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    """[Hq, nQ, nB] fp32 estimated attention mass of each block, rows normalised over candidates (torch).
+
+    k [T, Hkv, D] and ``doc`` [T] are the whole stream's; q holds the tokens of the query blocks ``q_blocks``
+    (increasing global block indices, default every block: then q is the whole stream [T, Hq, D]). Chunks
+    are cut at the same global blocks and score the same key columns whichever rows are asked for, so a
+    context-parallel rank's rows are the whole stream's rows of those blocks, up to the rounding of matmuls
+    with fewer rows.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    num_q_heads = q.shape[1]
     group = num_q_heads // num_kv_heads
     per_block = block_size // stride
     nb = num_blocks(num_tokens, block_size)
+    blocks = torch.arange(nb) if q_blocks is None else q_blocks.cpu()
     num_groups = -(-num_tokens // stride)
-    pad = num_groups * stride - num_tokens
-    q, k = (F.pad(x.float(), (0, 0, 0, 0, 0, pad)) for x in (q, k))
+    q = F.pad(q.float(), (0, 0, 0, 0, 0, blocks.numel() * block_size - q.shape[0]))
+    k = F.pad(k.float(), (0, 0, 0, 0, 0, num_groups * stride - num_tokens))
     # Row a of qs dotted with row b of ks is the antidiagonal sum of the stride tile (a, b).
-    qs = q.reshape(num_groups, stride, num_kv_heads, group, head_dim).permute(2, 3, 0, 1, 4)
-    qs = qs.reshape(num_kv_heads, group, num_groups, stride * head_dim)
+    qs = q.reshape(-1, stride, num_kv_heads, group, head_dim).permute(2, 3, 0, 1, 4)
+    qs = qs.reshape(num_kv_heads, group, -1, stride * head_dim)
     ks = k.reshape(num_groups, stride, num_kv_heads, head_dim).flip(1).permute(2, 0, 1, 3)
     ks = ks.reshape(num_kv_heads, 1, num_groups, stride * head_dim)
     first, last = group_doc_range(doc, stride)
     groups = torch.arange(num_groups, device=q.device)
-    mass = q.new_zeros(num_q_heads, nb, nb)
-    rows_per_chunk = max(per_block, (_CHUNK_ELEMENTS // (num_q_heads * num_groups)) // per_block * per_block)
-    for g0 in range(0, num_groups, rows_per_chunk):
-        g1 = min(g0 + rows_per_chunk, num_groups)
-        rows = groups[g0:g1]
-        scores = (qs[:, :, g0:g1] @ ks[:, :, :g1].transpose(-1, -2)).mul_(scale / stride)
-        allowed = (groups[None, :g1] <= rows[:, None]) & (first[g0:g1, None] <= last[None, :g1])
+    within = torch.arange(per_block)
+    mass = q.new_zeros(num_q_heads, blocks.numel(), nb)
+    blocks_per_chunk = max(1, _CHUNK_ELEMENTS // (num_q_heads * num_groups) // per_block)
+    starts = torch.arange(0, nb + blocks_per_chunk, blocks_per_chunk).clamp(max=nb)
+    rows_at = torch.searchsorted(blocks, starts).tolist()  # this call's rows of each chunk of global blocks
+    for b0, b1, i0, i1 in zip(starts.tolist(), starts[1:].tolist(), rows_at, rows_at[1:]):
+        if i0 == i1:
+            continue
+        g1 = min(b1 * per_block, num_groups)
+        rows = (blocks[i0:i1, None] * per_block + within).flatten()  # global stride groups
+        rows = rows[rows < num_groups].to(q.device)  # the last block of the stream may be partial
+        r0 = i0 * per_block
+        scores = (qs[:, :, r0 : r0 + rows.numel()] @ ks[:, :, :g1].transpose(-1, -2)).mul_(scale / stride)
+        allowed = (groups[None, :g1] <= rows[:, None]) & (first[rows, None] <= last[None, :g1])
         probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1)
-        b0, b1 = g0 // per_block, -(-g1 // per_block)
-        probs = F.pad(probs, (0, b1 * per_block - g1, 0, b1 * per_block - g1))
-        probs = probs.view(num_q_heads, b1 - b0, per_block, b1, per_block).sum(dim=(2, 4))
-        mass[:, b0:b1, :b1] = probs
+        probs = F.pad(probs, (0, b1 * per_block - g1, 0, (i1 - i0) * per_block - rows.numel()))
+        mass[:, i0:i1, :b1] = probs.view(num_q_heads, i1 - i0, per_block, b1, per_block).sum(dim=(2, 4))
     return mass / mass.sum(dim=-1, keepdim=True)
 
 
@@ -209,32 +240,42 @@ def rank_blocks(
 ) -> BlockRanking:
     """Scores every candidate block (module docstring) and ranks each row's blocks once; ``select`` then
     applies budgets. Arguments as ``select_blocks``."""
+    estimate, scale = _scoring(q, k, cu_seqlens, q.shape[0], block_size, stride, scale, backend)
+    return BlockRanking(*_rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate))
+
+
+def _scoring(q, k, cu_seqlens, num_tokens: int, block_size: int, stride: int, scale, backend: str):
+    """Checks the scoring arguments of a stream of ``num_tokens``; returns (the backend's mass estimate, scale)."""
     check_power_of_two("block_size", block_size)
     check_power_of_two("stride", stride)
     if stride > block_size:
         raise ValueError(f"stride ({stride}) must not exceed block_size ({block_size})")
     check_qk(q, k)
-    check_cu_seqlens(cu_seqlens, q.shape[0])
-    backend = resolve_backend(backend, q.device)
+    check_cu_seqlens(cu_seqlens, num_tokens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if resolve_backend(backend, q.device) == "triton":
+        from .selection_triton import estimate_block_mass as estimate
+
+        return estimate, scale
+    return estimate_block_mass, scale
+
+
+def _rank_rows(q, k, cu_seqlens, block_size: int, stride: int, scale: float, estimate, q_blocks=None) -> tuple:
+    """``BlockRanking``'s fields for the query blocks ``q_blocks`` (None: all) of the stream whose keys are
+    ``k``, scored by ``estimate``: forced blocks first, then candidates by estimated mass, then the rest."""
     with torch.no_grad():
-        doc = token_doc_ids(cu_seqlens.to(q.device), q.shape[0])
-        if backend == "triton":
-            from .selection_triton import estimate_block_mass as estimate
-        else:
-            estimate = estimate_block_mass
+        doc = token_doc_ids(cu_seqlens.to(q.device), k.shape[0])
         mass = estimate(q, k, doc, block_size, stride, scale)
         candidates = candidate_tiles(doc, block_size)
         forced = forced_tiles(doc, cu_seqlens, block_size) & candidates
-        # Rank forced blocks first, then candidates by estimated mass, then the rest (mass 0).
+        if q_blocks is not None:
+            candidates, forced = candidates[q_blocks], forced[q_blocks]
         priority = torch.where(candidates, mass + 2.0 * forced, torch.full_like(mass, -1.0))
         order = priority.argsort(dim=-1, descending=True)
         sorted_mass = torch.where(candidates, mass, torch.zeros_like(mass)).gather(-1, order)
         cumulative = sorted_mass.cumsum(dim=-1)
         mass_before = F.pad(cumulative[..., :-1], (1, 0)).contiguous()
-        return BlockRanking(
-            candidates.sum(-1), forced.sum(-1), order, sorted_mass, mass_before, cumulative[..., -1:]
-        )
+        return candidates.sum(-1), forced.sum(-1), order, sorted_mass, mass_before, cumulative[..., -1:]
 
 
 def select_blocks(
@@ -297,12 +338,22 @@ def select_with_budget(
     improving while the measured one does not.
     """
     ranking = rank_blocks(q, k, cu_seqlens, block_size=block_size, stride=stride, scale=scale, backend=backend)
+    return _select_budgeted(ranking, budget, base, cu_seqlens, q.shape[0], block_size)
+
+
+def _select_budgeted(ranking: BlockRanking, budget: LayerBudget, base: LayerBudget, cu_seqlens, num_tokens: int,
+                     block_size: int, q_blocks: torch.Tensor | None = None) -> BudgetedSelection:
+    """``select_with_budget`` on a ranking of the query blocks ``q_blocks`` (None: all) of a stream of
+    ``num_tokens``; tile counts that span the layer are the ranking's ``_total`` over the whole stream."""
     base_kept = None if budget == base else ranking.kept_at([base.tau], base.max_density)[..., 0]
-    max_tiles = None if budget.density_scale is None else (budget.density_scale * base_kept.sum()).floor()
+    max_tiles = None
+    if budget.density_scale is not None:
+        max_tiles = (budget.density_scale * ranking._total(base_kept.sum())).floor()
     mask, stats = ranking.select(budget.tau, budget.max_density, max_tiles)
     if base_kept is None:  # the budget is the base one (static runs, evaluation): its own counts are the base's
         base_kept = stats.kept
-    base_density = document_density(base_kept, ranking.candidates, cu_seqlens, q.shape[0], block_size)
+    kept, covered = _document_tiles(base_kept, ranking.candidates, cu_seqlens, num_tokens, block_size, q_blocks)
+    base_density = _density(ranking._total(kept), ranking._total(covered), base_kept.shape[0])
     return BudgetedSelection(mask, stats, base_density)
 
 
@@ -315,11 +366,207 @@ def document_density(
     A query block shared by two documents counts for the one it starts in; exact for block-aligned documents.
     A document starting no block (shorter than one, inside another's) is dense: it sees only forced blocks.
     """
-    kept = kept_rows.sum(0).float()  # [nB]
+    kept, covered = _document_tiles(kept_rows, candidates, cu_seqlens, num_tokens, block_size)
+    return _density(kept, covered, kept_rows.shape[0])
+
+
+def _document_tiles(kept_rows, candidates, cu_seqlens, num_tokens, block_size, q_blocks=None):
+    """([docs] kept tiles over all heads, [docs] candidate tiles of one head) of the query blocks ``q_blocks``
+    (None: all), each counted for the document it starts in; int64, so sums over ranks are exact."""
+    kept = kept_rows.sum(0)  # [nQ]
     doc_ids = token_doc_ids(cu_seqlens.to(kept.device), num_tokens)
     block_doc = doc_ids[::block_size]
+    if q_blocks is not None:
+        block_doc = block_doc[q_blocks]
     num_docs = len(cu_seqlens) - 1
     kept_per_doc = kept.new_zeros(num_docs).index_add_(0, block_doc, kept)
-    covered = kept.new_zeros(num_docs).index_add_(0, block_doc, candidates.float())
-    density = kept_per_doc / (covered * kept_rows.shape[0]).clamp(min=1)
+    covered = kept.new_zeros(num_docs).index_add_(0, block_doc, candidates)
+    return kept_per_doc, covered
+
+
+def _density(kept_per_doc: torch.Tensor, covered: torch.Tensor, num_heads: int) -> torch.Tensor:
+    density = kept_per_doc / (covered * num_heads).clamp(min=1)
     return torch.where(covered > 0, density.clamp(max=1.0), torch.ones_like(density))
+
+
+# Selection for context parallelism: a stream held block-striped by the ranks of a group (``ring.py``).
+
+_PROBES = 255  # multisection probes per all-reduce: 8 bits of the 32-bit key range a round
+
+
+@dataclass(frozen=True)
+class StripedRanking(BlockRanking):
+    """A ``BlockRanking`` of the query blocks one rank of a context-parallel group holds in a block-striped
+    stream (rows: global blocks rank, rank + W, ...; columns: all key blocks of the stream).
+
+    Top-p and ``max_density`` are per row, so a rank's rows alone decide them. A tile budget (``max_tiles``)
+    counts the whole layer, so it is cut at one group-wide mass threshold: the tiles the whole-stream
+    ranking keeps. Asking for one is collective: every rank of the group asks for the same budgets.
+    ``select`` returns the global bool [Hq, nB, nB] mask ``sparse_ring_attention`` takes, this rank's rows
+    filled and the others False (the ring reads only its own rows); its stats cover this rank's rows.
+    """
+
+    group: object = None  # torch.distributed.ProcessGroup; None: the default group
+    world_size: int = 1
+    rank: int = 0
+
+    def _total(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the group's ranks: every row of the stream."""
+        if self.world_size == 1:
+            return x
+        x = x.clone()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def _within(self, count: torch.Tensor, max_tiles) -> torch.Tensor:
+        """``BlockRanking._within`` with the threshold the whole stream's blocks give, found by
+        ``_group_order_statistic`` on order keys of the masses, so only counts travel."""
+        if self.world_size == 1:
+            return super()._within(count, max_tiles)
+        forced, mass = self._optional_mass(count)
+        keys = _order_keys(mass)
+        spare = torch.as_tensor(max_tiles, device=count.device) - self._total(forced.sum())
+        spare = spare.clamp(0, mass.numel() * self.world_size - 1).long()
+        first_dropped = _group_order_statistic(keys.flatten(), spare, self.group)
+        return forced + (keys > first_dropped).sum(dim=-1)
+
+    def select(
+        self, tau: float, max_density: float | None = None, max_tiles=None
+    ) -> tuple[torch.Tensor, SelectionStats]:
+        rows, stats = super().select(tau, max_density, max_tiles)
+        mask = rows.new_zeros(rows.shape[0], rows.shape[-1], rows.shape[-1])
+        mask[:, self.rank :: self.world_size] = rows
+        return mask, stats
+
+
+def _order_keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys in the order of the fp32 values ``x`` (-0 as +0): the bits, negative values' magnitude
+    bits flipped so that a larger magnitude gives a smaller key."""
+    bits = (x.float() + 0.0).view(torch.int32).long()
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _group_order_statistic(keys: torch.Tensor, index: torch.Tensor, group) -> int:
+    """The key at ``index`` (0-d) of all the group's ``keys`` sorted in decreasing order, as if they were one
+    tensor, without moving them: the least x with at most ``index`` keys above it, found by multisection of
+    the 32-bit key range, each round one all-reduce of the counts above ``_PROBES`` probes (5 rounds).
+    Collective: every rank calls it with the same ``index``."""
+    keys = keys.sort().values
+    lo, hi = -(2**31), 2**31 - 1  # the answer lies in [lo, hi]: no key is above hi
+    steps = torch.arange(_PROBES, device=keys.device)
+    while lo < hi:
+        probes = lo + (hi - lo) * steps // _PROBES  # probes[0] = lo, all below hi
+        above = keys.numel() - torch.searchsorted(keys, probes, right=True)
+        dist.all_reduce(above, group=group)
+        fits = (above <= index).tolist()
+        if True in fits:
+            first = fits.index(True)
+            lo, hi = (lo if first == 0 else int(probes[first - 1]) + 1), int(probes[first])
+        else:
+            lo = int(probes[-1]) + 1
+    return lo
+
+
+def _gather_stream(x: torch.Tensor, group, world_size: int, block_size: int) -> torch.Tensor:
+    """The whole stream of a tensor held block-striped by the group's ranks."""
+    shards = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    return context_unshard(shards, block_size=block_size)
+
+
+def rank_blocks_striped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    block_size: int,
+    group=None,
+    stride: int = 16,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> StripedRanking:
+    """``rank_blocks`` for a stream held block-striped by the ranks of ``group`` (``context_shard``): ranks this
+    rank's query blocks against the whole stream's keys. q [T/W, Hq, D] and k [T/W, Hkv, D] are this rank's
+    shards (T a multiple of W * block_size), cu_seqlens the stream's global int32 [docs + 1]; ``group`` as
+    ``sparse_ring_attention``'s. Collective: every rank of the group calls it.
+
+    The scores need every key: each antidiagonal stride score reads all D elements of S keys, and a query's
+    softmax spans all its causal keys, so pooled or strided block summaries would change the estimate and
+    the mask. K is all-gathered (as MTraining does): each rank receives (W - 1) / W of the stream's K, one
+    ring pass of K, and scores its own rows only, 1/W of the whole stream's scoring. The rows are computed
+    in the whole stream's chunks against the same key columns; only the number of rows of each matmul
+    differs, which can move a mass by an ulp (BLAS picks kernels by shape), so a mask differs from the
+    whole stream's only where a block's mass lies within rounding of its row's top-p or the layer's cut.
+
+    A group of W ranks scores with the torch estimate on q's device (the Triton kernel scores whole streams);
+    a group of one is ``rank_blocks`` with ``backend``.
+    """
+    world_size, rank = group_place(group)
+    if world_size > 1 and q.shape[0] % block_size:
+        raise ValueError(
+            f"q holds {q.shape[0]} tokens, not a multiple of block_size {block_size}: shard with context_shard "
+            f"a stream padded to a multiple of world_size * block_size = {world_size * block_size}"
+        )
+    num_tokens = q.shape[0] * world_size
+    estimate, scale = _scoring(q, k, cu_seqlens, num_tokens, block_size, stride, scale, backend)
+    q_blocks = None
+    if world_size > 1:
+        q_blocks = striped_blocks(num_blocks(num_tokens, block_size), world_size, rank, q.device)
+        estimate = partial(estimate_block_mass, q_blocks=q_blocks)
+        with torch.no_grad():
+            k = _gather_stream(k.detach(), group, world_size, block_size)
+    fields = _rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate, q_blocks)
+    return StripedRanking(*fields, group=group, world_size=world_size, rank=rank)
+
+
+def select_blocks_striped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    block_size: int,
+    tau: float,
+    group=None,
+    stride: int = 16,
+    max_density: float | None = None,
+    scale: float | None = None,
+    return_stats: bool = False,
+    backend: str = "auto",
+):
+    """``select_blocks`` for a stream held block-striped by the ranks of ``group``: this rank's rows of the
+    whole stream's mask, in the global bool [Hq, T/B, T/B] ``block_mask`` of ``sparse_ring_attention`` (other
+    ranks' rows False). Arguments as ``rank_blocks_striped`` and ``select_blocks``; the stats cover this
+    rank's rows. Collective: every rank of the group calls it."""
+    check_fraction("tau", tau)
+    if max_density is not None:
+        check_fraction("max_density", max_density)
+    ranking = rank_blocks_striped(
+        q, k, cu_seqlens, block_size=block_size, group=group, stride=stride, scale=scale, backend=backend
+    )
+    mask, stats = ranking.select(tau, max_density)
+    return (mask, stats) if return_stats else mask
+
+
+def select_with_budget_striped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    budget: LayerBudget,
+    base: LayerBudget,
+    *,
+    block_size: int,
+    group=None,
+    stride: int = 16,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> BudgetedSelection:
+    """``select_with_budget`` for a stream held block-striped by the ranks of ``group``: the mask as
+    ``select_blocks_striped``'s, ``density_scale`` bounding the tiles of the whole layer (the base budget's
+    tiles summed over the group, one group-wide threshold), stats of this rank's rows, and every document's
+    base density over the whole stream, the same on every rank. Collective: every rank of the group calls it
+    with the same budgets."""
+    ranking = rank_blocks_striped(
+        q, k, cu_seqlens, block_size=block_size, group=group, stride=stride, scale=scale, backend=backend
+    )
+    q_blocks = striped_blocks(ranking.order.shape[-1], ranking.world_size, ranking.rank, q.device)
+    return _select_budgeted(ranking, budget, base, cu_seqlens, q.shape[0] * ranking.world_size, block_size, q_blocks)

@@ -1,11 +1,22 @@
-"""select_blocks: structural guarantees, top-p monotonicity, the density cap, statistics and recall."""
+"""select_blocks: structural guarantees, top-p monotonicity, the density cap, statistics and recall; the
+striped selection's helpers and its group of one."""
 
 import math
 
 import pytest
 import torch
 
-from sparsebalance_pl.kernels import LayerBudget, attention_recall, rank_blocks, select_blocks, select_with_budget
+from sparsebalance_pl.kernels import (
+    LayerBudget,
+    attention_recall,
+    context_shard,
+    rank_blocks,
+    select_blocks,
+    select_blocks_striped,
+    select_with_budget,
+    select_with_budget_striped,
+)
+from sparsebalance_pl.kernels import selection
 from sparsebalance_pl.kernels.layout import candidate_tiles, forced_tiles, token_doc_ids
 from sparsebalance_pl.kernels.selection import estimate_block_mass
 
@@ -167,3 +178,51 @@ def test_invalid_arguments(kwargs, match):
     q, k = qk(0)
     with pytest.raises(ValueError, match=match):
         select_blocks(q, k, CU, **kwargs)
+
+
+# Selection for a block-striped stream (context parallelism); several ranks: tests/multiprocess/test_ring_selection.py
+
+
+@pytest.mark.parametrize("chunk", [1 << 10, 1 << 24])  # many chunks of global blocks, and one
+def test_rows_of_striped_blocks_score_as_the_whole_stream(monkeypatch, chunk):
+    monkeypatch.setattr(selection, "_CHUNK_ELEMENTS", chunk)
+    q, k = qk(5, smooth=True, num_tokens=384)
+    cu = torch.tensor([0, 7, 50, 181, 300, 384], dtype=torch.int32)
+    doc = token_doc_ids(cu, 384)
+    whole = estimate_block_mass(q, k, doc, 16, 4, 0.25)
+    assert torch.equal(estimate_block_mass(q, k, doc, 16, 4, 0.25, q_blocks=torch.arange(24)), whole)
+    for world_size in (2, 3, 4):
+        for rank in range(world_size):
+            rows = estimate_block_mass(context_shard(q, world_size=world_size, rank=rank, block_size=16), k, doc,
+                                       16, 4, 0.25, q_blocks=torch.arange(rank, 24, world_size))
+            # Same scores in matmuls of fewer rows: BLAS may round them an ulp apart.
+            torch.testing.assert_close(rows, whole[:, rank::world_size], rtol=1e-6, atol=1e-7)
+
+
+def test_order_keys_sort_as_the_floats():
+    values = torch.tensor([0.3, -1.0, 0.0, -0.0, 1.0, 1e-30, -2.5, float("inf"), -float("inf"), 0.3, 2.0**-149])
+    keys = selection._order_keys(values)
+    assert torch.equal(values[keys.argsort(stable=True)], values.sort(stable=True).values)
+    assert torch.equal(keys[:, None] == keys[None, :], values[:, None] == values[None, :])  # -0 is +0
+
+
+def test_order_statistic_of_a_group_of_one_is_the_sorted_key(monkeypatch):
+    monkeypatch.setattr(selection.dist, "all_reduce", lambda tensor, group=None: None)  # one rank: its own counts
+    gen = torch.Generator().manual_seed(0)
+    mass = torch.where(torch.rand(500, generator=gen) < 0.3, -1.0, torch.rand(500, generator=gen).round(decimals=2))
+    keys = selection._order_keys(mass)
+    ordered = keys.sort(descending=True).values
+    for index in (0, 1, 17, 149, 250, 350, 498, 499):
+        assert selection._group_order_statistic(keys, torch.tensor(index), None) == int(ordered[index])
+
+
+def test_striped_selection_of_one_rank_is_the_whole_stream_selection():
+    q, k = qk(6, smooth=True)
+    mask, stats = select_blocks_striped(q, k, CU, block_size=16, tau=0.8, stride=8, return_stats=True)
+    want, want_stats = select_blocks(q, k, CU, block_size=16, tau=0.8, stride=8, return_stats=True)
+    assert torch.equal(mask, want) and torch.equal(stats.kept, want_stats.kept)
+    budget, base = LayerBudget(0.9, None, 0.7), LayerBudget(0.8)
+    got = select_with_budget_striped(q, k, CU, budget, base, block_size=16, stride=4)
+    want = select_with_budget(q, k, CU, budget, base, block_size=16, stride=4)
+    assert torch.equal(got.mask, want.mask) and torch.equal(got.stats.kept, want.stats.kept)
+    assert torch.equal(got.base_document_density, want.base_document_density)
