@@ -181,8 +181,8 @@ def _scores(
 
 
 def _softmax(s: torch.Tensor, chunk: _Chunk, key_major: bool) -> torch.Tensor:
-    """Softmax over each query's keys, in place (the kernel finishes reading a row before writing it), tokens
-    with no allowed key at 0. torch's softmax is much faster than exp_, hence also in the backward."""
+    """Softmax over each query's keys, in place (the kernel reads every element before overwriting it),
+    tokens with no allowed key at 0. torch's softmax is much faster than exp_, hence also in the backward."""
     p = torch.ops.aten._softmax.out(s, 1 if key_major else -1, False, out=s)
     if chunk.empty is not None:
         (p.mT if key_major else p)[chunk.empty] = 0.0
