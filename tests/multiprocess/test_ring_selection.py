@@ -63,6 +63,11 @@ def _selection_rank(rank, world_size, out_dir):
         chosen = select_with_budget_striped(q, k, CU, budget, BASE, block_size=BLOCK, stride=STRIDE)
         results[repr(budget)] = (chosen.mask, chosen.stats.kept, chosen.base_document_density)
     mask = select_blocks_striped(q, k, CU, block_size=BLOCK, tau=0.8, stride=STRIDE)
+    try:  # a shard that is not whole blocks stops before any collective, on every rank alike
+        select_blocks_striped(q[1:], k[1:], CU, block_size=BLOCK, tau=0.8, stride=STRIDE)
+        raise AssertionError("a shard of a partial block was accepted")
+    except ValueError as err:
+        assert "not a multiple of block_size" in str(err)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out = sparse_ring_attention(q, k, v, CU, block_size=BLOCK, block_mask=mask, backend="torch")
     results["attention"] = (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
