@@ -345,12 +345,13 @@ def _select_budgeted(ranking: BlockRanking, budget: LayerBudget, base: LayerBudg
                      block_size: int, q_blocks: torch.Tensor | None = None) -> BudgetedSelection:
     """``select_with_budget`` on a ranking of the query blocks ``q_blocks`` (None: all) of a stream of
     ``num_tokens``; tile counts that span the layer are the ranking's ``_total`` over the whole stream."""
-    base_kept = None if budget == base else ranking.kept_at([base.tau], base.max_density)[..., 0]
+    own = budget == base and budget.density_scale is None  # the base budget itself: its counts are the base's
+    base_kept = None if own else ranking.kept_at([base.tau], base.max_density)[..., 0]
     max_tiles = None
     if budget.density_scale is not None:
         max_tiles = (budget.density_scale * ranking._total(base_kept.sum())).floor()
     mask, stats = ranking.select(budget.tau, budget.max_density, max_tiles)
-    if base_kept is None:  # the budget is the base one (static runs, evaluation): its own counts are the base's
+    if own:  # static runs, evaluation
         base_kept = stats.kept
     kept, covered = _document_tiles(base_kept, ranking.candidates, cu_seqlens, num_tokens, block_size, q_blocks)
     base_density = _density(ranking._total(kept), ranking._total(covered), base_kept.shape[0])

@@ -100,6 +100,17 @@ def test_budget_selection_honours_the_density_scale_and_counts_base_densities(sc
     assert ((chosen.base_document_density > 0) & (chosen.base_document_density <= 1)).all()
 
 
+def test_a_base_budget_that_carries_a_density_scale_is_its_own_base():
+    """A base budget with ``density_scale`` set (a configured cap on the layer's tiles) selected as itself: the
+    scale bounds its own tiles; it used to fail reading the base counts it had not computed."""
+    q, k = qk(3, smooth=True)
+    base = LayerBudget(0.9, None, 0.5)
+    capped = select_with_budget(q, k, CU, base, base, block_size=16, stride=4)
+    plain = select_with_budget(q, k, CU, LayerBudget(0.9), LayerBudget(0.9), block_size=16, stride=4)
+    forced = int(capped.stats.ranking.forced.sum()) * q.shape[1]
+    assert int(capped.mask.sum()) <= max(math.floor(0.5 * int(plain.mask.sum())), forced)
+
+
 def test_non_contiguous_inputs_give_the_same_mask():
     q, k = qk(3)
     q_t, k_t = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k))
