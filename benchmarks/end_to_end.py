@@ -79,6 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "`main.py fit --config a --config b` does (default: configs/demo.yaml)")
     parser.add_argument("--ranks", type=int, default=None,
                         help="emulate this many data-parallel ranks in one process (see above)")
+    parser.add_argument("--calibrate-steps", type=int, default=0,
+                        help="with --ranks: steps of another epoch's documents run first without updating the "
+                             "weights, so the cost model and DST start the measured epoch calibrated, as in the "
+                             "middle of a long run; the epoch is planned after them")
     parser.add_argument("--bandwidth-gbps", type=float, default=50.0,
                         help="per-rank link bandwidth for the emulation's all-reduce estimate (GB/s)")
     parser.add_argument("--init", default="none", help="Hugging Face model directory, or 'none' for random init")
@@ -105,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.config = args.config or [ROOT / "configs" / "demo.yaml"]
     if args.ranks is not None and args.ranks < 1:
         parser.error(f"--ranks {args.ranks} must be at least 1")
+    if args.calibrate_steps < 0 or (args.calibrate_steps and args.ranks is None):
+        parser.error(f"--calibrate-steps {args.calibrate_steps} needs --ranks and must be >= 0")
     if args.ranks is not None and args.report_only:
         parser.error("--report-only re-reads multi-process runs; emulated runs (--ranks) keep no logs to re-read")
     if args.epoch_documents is None and args.steps <= args.warmup:
@@ -232,7 +238,7 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
     """A variant's model, data module, Trainer, DST controller and epoch plan for ``--ranks`` ranks, set up as a
     real run would be before its first step (``benchmarks/simulate.py`` predicts the same plan's times)."""
     from sparsebalance_pl.callbacks.controller import DSTController
-    from sparsebalance_pl.emulation import build
+    from sparsebalance_pl.emulation import EmulatedRanks, build, step_batches
 
     run_dir = (args.out / f"{name}-round{round_index}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -244,6 +250,10 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
         module.calibrate_density(data.calibration_batches(min_length=module.attention_config.block_size))
     p = args.p if variant_p is None else variant_p
     controller = DSTController(module.cost_model, module.base_budgets, anchor=args.anchor, p=p)
+    if args.calibrate_steps:
+        calibration, items = EmulatedRanks(module, args.ranks, 1, controller=controller), data.items("train")
+        for step in data.train_plan(args.ranks, rank=0, epoch=1).plan()[: args.calibrate_steps]:
+            calibration.step(step_batches(items, step), update=False)
     plan = data.train_plan(args.ranks, rank=0).plan()
     plan = plan if args.epoch_documents is not None else plan[: args.steps]
     return module, data, trainer, controller, plan
@@ -312,6 +322,7 @@ def emulated_regime(base: dict, results: dict, args: argparse.Namespace) -> dict
         "baseline_recall": reference["recall"],
         "collective_estimate_s": reference["collective_estimate_s"],
         "bandwidth_gbps": args.bandwidth_gbps,
+        "calibration_steps": args.calibrate_steps,
         "collectives": "not in the step times; estimated apart as a ring all-reduce of fp32 gradients",
     }
 
@@ -437,7 +448,8 @@ def write_emulated(base: dict, results: dict, args: argparse.Namespace) -> None:
             f"{regime['attention_to_projection_flops']:.1f}; the baseline's attention is "
             f"{regime['baseline_attention_share_of_compute']:.0%} of its ranks' compute, its "
             f"removable imbalance {regime['baseline_removable_imbalance']:.3f}; collectives not in the times "
-            f"(estimated {regime['collective_estimate_s']:.2f} s over the run at {args.bandwidth_gbps:g} GB/s)")
+            f"(estimated {regime['collective_estimate_s']:.2f} s over the run at {args.bandwidth_gbps:g} GB/s); "
+            f"cost model and DST calibrated by {args.calibrate_steps} steps without updates before the epoch")
     table = markdown_table(results, text, args, imbalance_of="each rank's measured forward and backward")
     print(table)
     (args.out / "results.md").write_text(table)

@@ -114,8 +114,10 @@ class EmulatedRanks:
         self.optimizer = schedule["optimizer"]
         self.scheduler = schedule["lr_scheduler"]["scheduler"]
 
-    def step(self, micro_batches: Sequence[Sequence[dict]]) -> EmulatedStep:
-        """One optimiser step over ``micro_batches[rank][micro]`` (packed batches, ``collate_packed``).
+    def step(self, micro_batches: Sequence[Sequence[dict]], update: bool = True) -> EmulatedStep:
+        """One optimiser step over ``micro_batches[rank][micro]`` (packed batches, ``collate_packed``);
+        ``update=False`` drops the gradients instead (the weights and the schedule stay), so the step only
+        teaches the cost model and DST, as the steps before a measured epoch of a long run have.
 
         Every rank needs the same number of micro-batches, as the collectives of a real run do (the planners
         give every rank the same count). A step whose loss is not finite drops its update, as ``SparseQwen``
@@ -155,6 +157,9 @@ class EmulatedRanks:
                 self.controller.learn(observation)
             observations.append(observation)
         loss = sum(r * n for r, n in zip(round_losses, round_counts)) / max(sum(round_counts), 1)
+        if not update:
+            self.optimizer.zero_grad(set_to_none=True)
+            return EmulatedStep(rank_seconds, 0.0, tokens, loss, round_losses, all_lengths, observations)
         optimizer_seconds, _ = _timed(device, lambda: self._update(math.isfinite(loss)))
         if math.isfinite(loss):  # what the real run's optimizer_step teaches the cost model
             module.cost_model.observe_step_overhead(optimizer_seconds)

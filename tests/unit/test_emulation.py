@@ -72,3 +72,14 @@ def test_the_allreduce_estimate_is_a_ring_of_the_gradients():
     assert allreduce_seconds(10**9, 8, 50.0) == pytest.approx(2 * 7 / 8 * 4e9 / 50e9)
     with pytest.raises(ValueError):
         allreduce_seconds(10**9, 0, 50.0)
+
+
+def test_a_step_without_update_teaches_the_cost_model_and_leaves_the_weights(module):
+    ranks = EmulatedRanks(module, 2, total_steps=4)
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    step = ranks.step([[_batch(0)], [_batch(1)]], update=False)
+    assert step.optimizer_seconds == 0.0 and math.isfinite(step.loss)
+    for name, p in module.named_parameters():
+        assert torch.equal(p.detach(), before[name]) and p.grad is None, name
+    assert ranks.scheduler.last_epoch == 0 and module.cost_model.overheads_observed == 0
+    assert module.cost_model.warmup_left == 0 and module.cost_model.last_step is step.observations[-1]
