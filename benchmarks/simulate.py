@@ -48,15 +48,8 @@ from sparsebalance_pl.datamodules.synthetic import LengthPrior  # noqa: E402
 from sparsebalance_pl.kernels.selection import LayerBudget  # noqa: E402
 from sparsebalance_pl.model import PRESETS  # noqa: E402
 
-# name: (attention, batching, DST p: 0 keeps the base budget, None tunes with --p), as in end_to_end.py
-VARIANTS = {
-    "dense": ("dense", "first_fit", 0.0),
-    "static": ("sparse", "first_fit", 0.0),
-    "sab": ("sparse", "sab", 0.0),
-    "dst": ("sparse", "first_fit", None),
-    "sparsebalance": ("sparse", "sab", None),
-}
-BASELINE = "static"
+import end_to_end  # noqa: E402
+from end_to_end import BASELINE, VARIANTS  # noqa: E402  (the same variants as the measured benchmark)
 
 # Measured on an H100 (docs/RESULTS.md, 2026-11-22, bf16, Qwen2.5-0.5B attention shape): our Triton attention's
 # forward + backward per layer at full density on one 131,072-token document, its selection on the same, and
@@ -98,9 +91,7 @@ def predicted_epoch(plan: EpochPlan, lengths: np.ndarray, controller: DSTControl
     for step in plan:
         rank_s = np.zeros(len(step.micro_batches))
         for m in range(len(step.micro_batches[0])):
-            docs = [[lengths[item.index if isinstance(item, PaddingItem) else item] for item in rank[m]]
-                    for rank in step.micro_batches]
-            rank_s += controller.plan(docs).predicted
+            rank_s += controller.plan([_lengths(rank[m], lengths) for rank in step.micro_batches]).predicted
         steps.append(rank_s.tolist())
     return steps
 
@@ -117,9 +108,13 @@ def summary(steps: list[list[float]], tokens: int) -> dict:
     }
 
 
+def _lengths(micro_batch: list, lengths: np.ndarray) -> list[int]:
+    """Token counts of a planned micro-batch's documents, padding included (the ranks compute it)."""
+    return [int(lengths[item.index if isinstance(item, PaddingItem) else item]) for item in micro_batch]
+
+
 def plan_tokens(plan: EpochPlan, lengths: np.ndarray) -> int:
-    return int(sum(lengths[item.index if isinstance(item, PaddingItem) else item]
-                   for step in plan for rank in step.micro_batches for mb in rank for item in mb))
+    return sum(sum(_lengths(mb, lengths)) for step in plan for rank in step.micro_batches for mb in rank)
 
 
 def simulate_cluster(args: argparse.Namespace) -> dict:
@@ -184,8 +179,6 @@ def cluster_table(result: dict) -> str:
 
 def check_against_emulation(args: argparse.Namespace) -> dict:
     """Predicted epoch times of the emulated run's own plans, from the table and densities it started with."""
-    import end_to_end
-
     emulated = json.loads((args.emulated / "results.json").read_text())
     measured = emulated["variants"]
     if "argv" not in emulated:

@@ -71,6 +71,7 @@ class BlockRanking:
     sorted_mass: torch.Tensor  # float [Hq, nB, nB], their estimated mass (non-candidates 0)
     mass_before: torch.Tensor  # float [Hq, nB, nB], estimated mass of the blocks ranked before each rank
     row_mass: torch.Tensor  # float [Hq, nB, 1], estimated mass of each row (1 up to rounding)
+    q_blocks = None  # the query blocks the rows are (None: every block of the stream); not a field here
 
     def kept_at(self, taus, max_density: float | None = None, max_tiles=None) -> torch.Tensor:
         """[Hq, nB, len(taus)] blocks each row keeps at each tau, with the per-row cap ``max_density`` and a
@@ -299,10 +300,19 @@ def select_blocks(
     ``backend`` picks the scoring kernel like ``block_sparse_attention`` does. Not differentiable.
     ``rank_blocks(...).select(...)`` is the same in two steps, for several budgets or a tile budget.
     """
+    _check_budget(tau, max_density)
+    ranking = rank_blocks(q, k, cu_seqlens, block_size=block_size, stride=stride, scale=scale, backend=backend)
+    return _selected(ranking, tau, max_density, return_stats)
+
+
+def _check_budget(tau: float, max_density: float | None) -> None:
     check_fraction("tau", tau)
     if max_density is not None:
         check_fraction("max_density", max_density)
-    ranking = rank_blocks(q, k, cu_seqlens, block_size=block_size, stride=stride, scale=scale, backend=backend)
+
+
+def _selected(ranking: BlockRanking, tau: float, max_density: float | None, return_stats: bool):
+    """``select_blocks``' answer from a ranking: the mask, with its stats when asked for."""
     mask, stats = ranking.select(tau, max_density)
     return (mask, stats) if return_stats else mask
 
@@ -342,9 +352,9 @@ def select_with_budget(
 
 
 def _select_budgeted(ranking: BlockRanking, budget: LayerBudget, base: LayerBudget, cu_seqlens, num_tokens: int,
-                     block_size: int, q_blocks: torch.Tensor | None = None) -> BudgetedSelection:
-    """``select_with_budget`` on a ranking of the query blocks ``q_blocks`` (None: all) of a stream of
-    ``num_tokens``; tile counts that span the layer are the ranking's ``_total`` over the whole stream."""
+                     block_size: int) -> BudgetedSelection:
+    """``select_with_budget`` on a ranking of (some of) the query blocks of a stream of ``num_tokens``; tile
+    counts that span the layer are the ranking's ``_total`` over the whole stream."""
     own = budget == base and budget.density_scale is None  # the base budget itself: its counts are the base's
     base_kept = None if own else ranking.kept_at([base.tau], base.max_density)[..., 0]
     max_tiles = None
@@ -353,7 +363,8 @@ def _select_budgeted(ranking: BlockRanking, budget: LayerBudget, base: LayerBudg
     mask, stats = ranking.select(budget.tau, budget.max_density, max_tiles)
     if own:  # static runs, evaluation
         base_kept = stats.kept
-    kept, covered = _document_tiles(base_kept, ranking.candidates, cu_seqlens, num_tokens, block_size, q_blocks)
+    kept, covered = _document_tiles(base_kept, ranking.candidates, cu_seqlens, num_tokens, block_size,
+                                    ranking.q_blocks)
     base_density = _density(ranking._total(kept), ranking._total(covered), base_kept.shape[0])
     return BudgetedSelection(mask, stats, base_density)
 
@@ -410,6 +421,7 @@ class StripedRanking(BlockRanking):
     group: object = None  # torch.distributed.ProcessGroup; None: the default group
     world_size: int = 1
     rank: int = 0
+    q_blocks: torch.Tensor | None = None  # this rank's global query blocks (None: a group of one, all of them)
 
     def _total(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over the group's ranks: every row of the stream."""
@@ -517,7 +529,7 @@ def rank_blocks_striped(
         with torch.no_grad():
             k = _gather_stream(k.detach(), group, world_size, block_size)
     fields = _rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate, q_blocks)
-    return StripedRanking(*fields, group=group, world_size=world_size, rank=rank)
+    return StripedRanking(*fields, group=group, world_size=world_size, rank=rank, q_blocks=q_blocks)
 
 
 def select_blocks_striped(
@@ -538,14 +550,11 @@ def select_blocks_striped(
     whole stream's mask, in the global bool [Hq, T/B, T/B] ``block_mask`` of ``sparse_ring_attention`` (other
     ranks' rows False). Arguments as ``rank_blocks_striped`` and ``select_blocks``; the stats cover this
     rank's rows. Collective: every rank of the group calls it."""
-    check_fraction("tau", tau)
-    if max_density is not None:
-        check_fraction("max_density", max_density)
+    _check_budget(tau, max_density)
     ranking = rank_blocks_striped(
         q, k, cu_seqlens, block_size=block_size, group=group, stride=stride, scale=scale, backend=backend
     )
-    mask, stats = ranking.select(tau, max_density)
-    return (mask, stats) if return_stats else mask
+    return _selected(ranking, tau, max_density, return_stats)
 
 
 def select_with_budget_striped(
@@ -569,5 +578,4 @@ def select_with_budget_striped(
     ranking = rank_blocks_striped(
         q, k, cu_seqlens, block_size=block_size, group=group, stride=stride, scale=scale, backend=backend
     )
-    q_blocks = striped_blocks(ranking.order.shape[-1], ranking.world_size, ranking.rank, q.device)
-    return _select_budgeted(ranking, budget, base, cu_seqlens, q.shape[0] * ranking.world_size, block_size, q_blocks)
+    return _select_budgeted(ranking, budget, base, cu_seqlens, q.shape[0] * ranking.world_size, block_size)

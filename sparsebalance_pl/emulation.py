@@ -157,12 +157,13 @@ class EmulatedRanks:
                 self.controller.learn(observation)
             observations.append(observation)
         loss = sum(r * n for r, n in zip(round_losses, round_counts)) / max(sum(round_counts), 1)
+        optimizer_seconds = 0.0
         if not update:
             self.optimizer.zero_grad(set_to_none=True)
-            return EmulatedStep(rank_seconds, 0.0, tokens, loss, round_losses, all_lengths, observations)
-        optimizer_seconds, _ = _timed(device, lambda: self._update(math.isfinite(loss)))
-        if math.isfinite(loss):  # what the real run's optimizer_step teaches the cost model
-            module.cost_model.observe_step_overhead(optimizer_seconds)
+        else:
+            optimizer_seconds, _ = _timed(device, lambda: self._update(math.isfinite(loss)))
+            if math.isfinite(loss):  # what the real run's optimizer_step teaches the cost model
+                module.cost_model.observe_step_overhead(optimizer_seconds)
         return EmulatedStep(rank_seconds, optimizer_seconds, tokens, loss, round_losses, all_lengths, observations)
 
     def warm_up(self, batch: dict) -> None:
