@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from functools import partial
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -200,16 +200,10 @@ class LongContextDataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if batching.max_tokens < corpus.max_doc_tokens:
+        if batching.rank_budget > batching.max_tokens:
             raise ConfigError(
-                f"data.batching.max_tokens={batching.max_tokens} is below data.corpus.max_doc_tokens="
-                f"{corpus.max_doc_tokens}: the longest allowed document must fit in one micro-batch; raise max_tokens "
-                "or lower max_doc_tokens"
-            )
-        if not corpus.max_doc_tokens <= batching.rank_budget <= batching.max_tokens:
-            raise ConfigError(
-                f"data.batching.tokens_per_rank={batching.rank_budget} must lie between data.corpus.max_doc_tokens="
-                f"{corpus.max_doc_tokens} and data.batching.max_tokens={batching.max_tokens}"
+                f"data.batching.tokens_per_rank={batching.rank_budget} must not exceed data.batching.max_tokens="
+                f"{batching.max_tokens}"
             )
         self.corpus, self.batching, self.evaluation, self.seed = corpus, batching, evaluation, seed
         if corpus.source == "folder":
@@ -232,11 +226,6 @@ class LongContextDataModule(L.LightningDataModule):
             samples_per_cell=evaluation.samples_per_cell,
             seed=seed + 1,
         )
-        if max(self.eval_config.lengths) > batching.max_tokens:
-            raise ConfigError(
-                f"data.evaluation.lengths={list(self.eval_config.lengths)} exceed data.batching.max_tokens="
-                f"{batching.max_tokens}"
-            )
         room = batching.max_tokens - evaluation.max_new_tokens
         self.longbench_max_tokens = room if evaluation.longbench_max_tokens is None else evaluation.longbench_max_tokens
         if evaluation.longbench and not 1 <= self.longbench_max_tokens <= room:
@@ -277,6 +266,42 @@ class LongContextDataModule(L.LightningDataModule):
         trainer = self.trainer
         return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
 
+    def slot_batching(self) -> BatchingConfig:
+        """The batching of one slot of the training and validation plans: a context-parallel group of W ranks
+        (the strategy's ``context_parallel_size``) shares each micro-batch, so its slot holds W times a rank's
+        ``max_tokens`` and budget; the longest allowed document and evaluation sample must fit in a slot."""
+        b = self.batching
+        size = self._context_parallel_size()
+        slot = replace(b, max_tokens=size * b.max_tokens, tokens_per_rank=size * b.rank_budget)
+        across = f" x context_parallel_size={size}" if size > 1 else ""
+        if slot.max_tokens < self.corpus.max_doc_tokens:
+            raise ConfigError(
+                f"data.batching.max_tokens={b.max_tokens}{across} is below data.corpus.max_doc_tokens="
+                f"{self.corpus.max_doc_tokens}: the longest allowed document must fit in one micro-batch; raise "
+                "max_tokens (or the context-parallel size) or lower max_doc_tokens"
+            )
+        if max(self.eval_config.lengths) > slot.max_tokens:
+            raise ConfigError(
+                f"data.evaluation.lengths={list(self.eval_config.lengths)} exceed data.batching.max_tokens="
+                f"{b.max_tokens}{across}"
+            )
+        if slot.rank_budget < self.corpus.max_doc_tokens:
+            raise ConfigError(
+                f"data.batching.tokens_per_rank={b.rank_budget}{across} is below data.corpus.max_doc_tokens="
+                f"{self.corpus.max_doc_tokens}: a global batch's budget per rank must hold the longest document"
+            )
+        return slot
+
+    def _context_parallel_size(self) -> int:
+        return getattr(self.trainer.strategy, "context_parallel_size", 1) if self.trainer is not None else 1
+
+    def _slots(self) -> tuple[int, int]:
+        """(slots, this rank's slot) of the training and validation plans: the ranks of a context-parallel group
+        read the same micro-batches, which the module stripes across them."""
+        world, rank = self._ranks()
+        size = self._context_parallel_size()
+        return world // size, rank // size
+
     def _check_ranks_agree(self, lengths: np.ndarray) -> None:
         """Stop when ranks would plan from different data or settings: their plans would diverge and the
         collectives hang."""
@@ -295,14 +320,14 @@ class LongContextDataModule(L.LightningDataModule):
         return PlanItems(litdata.StreamingDataset(str(directory)), len(self.lengths(split)), self.vocab_size, directory)
 
     def train_plan(self, num_ranks: int, rank: int, **resume) -> SparsityAwareSampler:
-        """The training batch sampler of ``rank`` among ``num_ranks``; its ``plan()`` holds every rank's
-        micro-batches, which an emulation of many ranks in one process runs itself."""
-        return SparsityAwareSampler(self.lengths("train"), self.batching, cost_model=self.cost_model, seed=self.seed,
-                                    num_replicas=num_ranks, rank=rank, **resume)
+        """The training batch sampler of slot ``rank`` among ``num_ranks`` (``slot_batching``); its ``plan()``
+        holds every slot's micro-batches, which an emulation of many ranks in one process runs itself."""
+        return SparsityAwareSampler(self.lengths("train"), self.slot_batching(), cost_model=self.cost_model,
+                                    seed=self.seed, num_replicas=num_ranks, rank=rank, **resume)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         lengths = self.lengths(split)
-        num_ranks, rank = self._ranks()
+        num_ranks, rank = self._slots()
         if train:
             self._check_ranks_agree(lengths)
             resume = self._resume or {"epoch": 0, "batches_consumed": 0}
@@ -313,8 +338,8 @@ class LongContextDataModule(L.LightningDataModule):
             self.train_sampler = sampler
         else:
             plan = first_fit_plan(
-                lengths, lengths, max_tokens=self.batching.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=0,
-                shuffle=False,
+                lengths, lengths, max_tokens=self.slot_batching().max_tokens, num_ranks=num_ranks, seed=self.seed,
+                epoch=0, shuffle=False,
             )
             sampler = PlannedBatchSampler(lambda epoch: plan, rank=rank)
         return DataLoader(
@@ -335,7 +360,7 @@ class LongContextDataModule(L.LightningDataModule):
         bins = np.floor(2 * np.log2(lengths[order])).astype(np.int64)
         picked = np.concatenate([order[bins == b][:per_bin] for b in np.unique(bins)] or [order])
         items = self.items("train")
-        packed = first_fit(lengths, picked[np.argsort(-lengths[picked], kind="stable")], self.batching.max_tokens)
+        packed = first_fit(lengths, picked[np.argsort(-lengths[picked], kind="stable")], self.slot_batching().max_tokens)
         return [collate_packed([items[int(i)] for i in batch]) for batch in packed]
 
     def train_dataloader(self) -> DataLoader:
@@ -372,12 +397,13 @@ class LongContextDataModule(L.LightningDataModule):
         return SequentialLoaders(loaders)
 
     def _eval_loader(self, samples: list[dict], lengths: list[int], collate) -> DataLoader:
-        """In-memory samples in stream order, packed first-fit by ``lengths``, every rank in step."""
+        """In-memory samples in stream order, packed first-fit by ``lengths``, every rank in step. Each rank
+        scores whole streams of up to a slot's tokens, also under context parallelism (no backward there)."""
         lengths = np.array(lengths)
         num_ranks, rank = self._ranks()
         plan = first_fit_plan(
-            lengths, lengths, max_tokens=self.batching.max_tokens, num_ranks=num_ranks, seed=self.seed, epoch=0,
-            shuffle=False,
+            lengths, lengths, max_tokens=self.slot_batching().max_tokens, num_ranks=num_ranks, seed=self.seed,
+            epoch=0, shuffle=False,
         )
         return DataLoader(
             PlanItems(samples, len(samples)),

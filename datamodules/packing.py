@@ -2,7 +2,8 @@
 
 A micro-batch is a list of document indices; ``collate_packed`` turns their token arrays into one stream with
 position ids restarting at each document, next-token targets that never cross a document boundary, and
-``cu_seqlens`` for the attention.
+``cu_seqlens`` for the attention. ``stripe_packed`` gives a rank of a context-parallel group its block-striped
+share of such a stream, once per micro-batch.
 """
 
 from __future__ import annotations
@@ -56,6 +57,35 @@ def collate_packed(samples: list[dict]) -> dict[str, torch.Tensor]:
         "position_ids": position_ids[None],
         "cu_seqlens": cu_seqlens,
     }
+
+
+def stripe_packed(batch: dict, *, world_size: int, rank: int, block_size: int) -> dict:
+    """This rank's share of a packed stream held by a context-parallel group of ``world_size`` ranks.
+
+    The stream is padded to a multiple of ``world_size * block_size`` with a padding document (token 0, no
+    loss), never truncated; ``input_ids``, ``position_ids`` and ``targets`` become this rank's block-striped
+    rows (``sparsebalance_pl.kernels.context_shard``) and ``cu_seqlens`` stays the whole stream's, which every
+    rank of the group needs. The targets were taken before striping, so each still names its own next token,
+    and each loss-bearing token lies on exactly one rank.
+    """
+    from sparsebalance_pl.kernels import context_shard
+
+    num_tokens = batch["input_ids"].shape[1]
+    padding = -num_tokens % (world_size * block_size)
+    cu_seqlens = batch["cu_seqlens"]
+    if padding:
+        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([num_tokens + padding])])
+    pad_values = {"input_ids": 0, "targets": IGNORE_INDEX}
+    striped = dict(batch, cu_seqlens=cu_seqlens)
+    for key in ("input_ids", "position_ids", "targets"):
+        row = batch[key][0]
+        if key == "position_ids":
+            tail = torch.arange(padding, dtype=row.dtype, device=row.device)
+        else:
+            tail = row.new_full((padding,), pad_values[key])
+        stream = torch.cat([row, tail])
+        striped[key] = context_shard(stream, world_size=world_size, rank=rank, block_size=block_size)[None]
+    return striped
 
 
 def _next_tokens(tokens: torch.Tensor, bears_loss: bool) -> torch.Tensor:

@@ -90,6 +90,7 @@ class _Ring:
     rank: int
     node_size: int
     layouts: list[TileLayout]
+    label: str = ""
 
     @property
     def num_nodes(self) -> int:
@@ -112,7 +113,7 @@ class _Transfer:
     rank the tensor comes straight back. Holds the sent tensor until the transfer is done."""
 
     def __init__(self, ring: _Ring, tensor: torch.Tensor, tag: int, outer: bool = False) -> None:
-        self.rank, self.sent = ring.rank, tensor
+        self.rank, self.sent, self.label = ring.rank, tensor, ring.label
         destination, self.source = ring.link(outer)
         if destination == ring.rank:
             self.received, self.requests = tensor, []
@@ -129,7 +130,8 @@ class _Transfer:
                 request.wait()
         except RuntimeError as err:
             raise RuntimeError(
-                f"ring attention: rank {self.rank} got no {what} from rank {self.source} at ring step {step}: {err}"
+                f"ring attention{self.label}: rank {self.rank} got no {what} from rank {self.source} at ring step "
+                f"{step}: {err}"
             ) from err
         return self.received
 
@@ -292,6 +294,7 @@ def sparse_ring_attention(
     backend: str = "auto",
     scale: float | None = None,
     node_size: int | None = None,
+    label: str | None = None,
 ) -> torch.Tensor:
     """``block_sparse_attention`` of a packed stream held block-striped by the ranks of ``group``.
 
@@ -307,6 +310,8 @@ def sparse_ring_attention(
     ``node_size``: a hierarchical ring for groups spanning nodes, an inner ring over each node's
     ``node_size`` neighbouring group ranks and an outer ring over the nodes, each outer transfer hidden
     behind a whole inner ring of compute (the striping stays over the flat group). None: one flat ring.
+    ``label`` names the call in the error of a transfer that fails or times out (e.g. ``"layer 3"``), beside
+    the rank, the peer and the ring step.
     """
     world_size, rank = group_place(group)
     node_size = world_size if node_size is None else node_size
@@ -326,7 +331,7 @@ def sparse_ring_attention(
     impl = _implementation(resolve_backend(backend, q.device))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     doc = token_doc_ids(cu_seqlens.to(q.device), num_tokens)
-    ring = _Ring(group, world_size, rank, node_size, layouts=[])
+    ring = _Ring(group, world_size, rank, node_size, layouts=[], label=f" ({label})" if label else "")
     ring.layouts.extend(
         TileLayout.build_ring_step(block_mask, doc, q.shape[1], k.shape[1], block_size,
                                    world_size=world_size, rank=rank, source=ring.source(outer, inner))

@@ -7,6 +7,10 @@ LightningModule passes as a model keyword argument (``sb_context``). Two backend
 - ``dense``: exact causal attention within each document (PyTorch SDPA per document);
 - ``sparse``: XAttention-style block selection then block-sparse attention (``sparsebalance_pl.kernels``).
 
+With a context-parallel group (``AttentionContext.context_parallel``) q, k and v are this rank's block-striped
+rows of a stream the group shares: selection scores against the whole stream's keys with one group-wide
+threshold, and attention runs the ring over the group (dense attention: the ring with every causal block).
+
 The context also carries the per-layer budgets (moved by dynamic sparsity tuning), caches the chosen masks
 so an activation-checkpointing recomputation reuses exactly the same mask, collects per-layer density and
 estimated recall for logging, the density each document would have had at the base budgets (from the same
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from sparsebalance_pl.context_parallel import ContextParallel
 from sparsebalance_pl.errors import ConfigError
 from sparsebalance_pl.kernels.selection import LayerBudget
 from sparsebalance_pl.timing import AttentionTimer
@@ -105,7 +110,8 @@ class AttentionContext:
     ``budgets`` are those in use (moved by dynamic sparsity tuning); ``base_budgets`` those against which
     ``LayerStats.base_document_density`` is counted (the configured ones; default: ``budgets``). With
     ``recall_rows`` > 0 each layer's exact recall is measured on that many sampled query rows, outside the
-    timed region (costs rows x T per head).
+    timed region (costs rows x T per head; not under context parallelism, where a rank lacks the other
+    ranks' keys). ``context_parallel``: the group sharing the stream, whose ranks must hold equal budgets.
     """
 
     cu_seqlens: torch.Tensor
@@ -114,6 +120,7 @@ class AttentionContext:
     base_budgets: list[LayerBudget] | None = None
     timer: AttentionTimer | None = None
     recall_rows: int = 0
+    context_parallel: ContextParallel = field(default_factory=ContextParallel)
     masks: dict[int, torch.Tensor] = field(default_factory=dict)
     stats: dict[int, LayerStats] = field(default_factory=dict)
 
@@ -148,25 +155,46 @@ def varlen_causal_attention(
     return torch.cat(outputs, dim=0)
 
 
+def _ring_attention(q, k, v, mask, layer: int, ctx: AttentionContext, scale: float | None) -> torch.Tensor:
+    from sparsebalance_pl.kernels import sparse_ring_attention
+
+    cp = ctx.context_parallel
+    return sparse_ring_attention(
+        q, k, v, ctx.cu_seqlens, block_size=ctx.config.block_size, group=cp.group, block_mask=mask,
+        backend=ctx.config.kernel_backend, scale=scale, node_size=cp.node_size, label=f"layer {layer}",
+    )
+
+
+def _dense_attention(q, k, v, layer: int, ctx: AttentionContext, scale: float | None) -> torch.Tensor:
+    if ctx.context_parallel.active:
+        return _ring_attention(q, k, v, None, layer, ctx, scale)
+    return varlen_causal_attention(q, k, v, ctx.cu_seqlens, scale)
+
+
 def _sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx: AttentionContext, scale: float | None
 ) -> torch.Tensor:
-    from sparsebalance_pl.kernels import block_sparse_attention, select_with_budget
+    from sparsebalance_pl.kernels import block_sparse_attention, select_with_budget, select_with_budget_striped
 
-    cfg = ctx.config
+    cfg, cp = ctx.config, ctx.context_parallel
     mask = ctx.masks.get(layer)
-    if mask is None:
+    if mask is None:  # an activation-checkpointing recomputation reuses the mask (and skips the collectives)
         base = (ctx.base_budgets or ctx.budgets)[layer]
-        selection = select_with_budget(
-            q.detach(), k.detach(), ctx.cu_seqlens, ctx.budgets[layer], base, block_size=cfg.block_size,
-            stride=cfg.stride, scale=scale, backend=cfg.kernel_backend,
-        )
+        settings = dict(block_size=cfg.block_size, stride=cfg.stride, scale=scale, backend=cfg.kernel_backend)
+        if cp.active:
+            selection = select_with_budget_striped(
+                q.detach(), k.detach(), ctx.cu_seqlens, ctx.budgets[layer], base, group=cp.group, **settings
+            )
+        else:
+            selection = select_with_budget(q.detach(), k.detach(), ctx.cu_seqlens, ctx.budgets[layer], base, **settings)
         mask = ctx.masks[layer] = selection.mask
         ctx.stats[layer] = LayerStats(
             density=selection.stats.mean_density(),
             estimated_recall=selection.stats.mean_kept_mass(),
             base_document_density=selection.base_document_density,
         )
+    if cp.active:
+        return _ring_attention(q, k, v, mask, layer, ctx, scale)
     return block_sparse_attention(
         q, k, v, mask, ctx.cu_seqlens, block_size=cfg.block_size, scale=scale, backend=cfg.kernel_backend
     )
@@ -196,16 +224,16 @@ def sparsebalance_attention(
     # Under autocast the rotary embedding returns fp32 q and k beside a half-precision v: attend in v's dtype.
     q, k, v = (x[0].transpose(0, 1).to(value.dtype) for x in (query, key, value))
     layer = module.layer_idx
-    if sb_context.config.backend == "dense":
-        def attend(q, k, v):
-            return varlen_causal_attention(q, k, v, sb_context.cu_seqlens, scaling)
-    else:
-        def attend(q, k, v):
-            return _sparse_attention(q, k, v, layer, sb_context, scaling)
+    method = _dense_attention if sb_context.config.backend == "dense" else _sparse_attention
+
+    def attend(q, k, v):
+        return method(q, k, v, layer, sb_context, scaling)
+
     timer = sb_context.timer
     out = attend(q, k, v) if timer is None else timer.timed(layer, attend, q, k, v)
     stats = sb_context.stats.get(layer)
-    if sb_context.recall_rows > 0 and stats is not None and stats.recall is None:
+    measure_recall = sb_context.recall_rows > 0 and not sb_context.context_parallel.active
+    if measure_recall and stats is not None and stats.recall is None:
         from sparsebalance_pl.kernels import attention_recall
 
         stats.recall = attention_recall(

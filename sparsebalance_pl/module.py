@@ -13,9 +13,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, AttentionContext
+from sparsebalance_pl.context_parallel import ContextParallel
 from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel, SparsityReport, observe_step
 from sparsebalance_pl.cost.profiler import latency_model_for_run, training_dtype
-from sparsebalance_pl.datamodules.packing import collate_packed
+from sparsebalance_pl.datamodules.packing import collate_packed, stripe_packed
 from sparsebalance_pl.distributed import all_ranks, gather_floats, gather_objects
 from sparsebalance_pl.errors import ConfigError, TrainingError
 from sparsebalance_pl.evaluation import Evaluation
@@ -73,6 +74,11 @@ class SparseQwen(L.LightningModule):
     from its own collective-free attention timings, and checkpoints it. ``main.py`` hands the same object to
     the data module and the DST callback. ``evaluations`` are the test suites ``test`` runs (the data module
     builds them).
+
+    Context parallelism (the strategy's ``context_parallel``): the ranks of a group receive the same training
+    and validation micro-batches, and ``group_share`` gives each its block-striped share of the stream; the attention then runs the ring over the group, and the group's ranks attend with one budget,
+    that of its member with the fewest kept tiles (its slowest rank sets the group's time). Test suites and
+    density calibration run whole streams on each rank.
 
     Args:
         model: which Qwen2 (preset, overrides, or a local Hugging Face directory).
@@ -169,15 +175,34 @@ class SparseQwen(L.LightningModule):
         cfg = self.attention_config
         return LatencyModel.analytic(self.dims, block_size=cfg.block_size, stride=cfg.stride)
 
-    def attention_context(self, cu_seqlens: torch.Tensor) -> AttentionContext:
+    def attention_context(self, cu_seqlens: torch.Tensor, striped: bool = False) -> AttentionContext:
+        """The attention's state for one forward; ``striped``: the stream is shared by the context-parallel group."""
+        cp = self.context_parallel if striped else ContextParallel()
+        budgets = self.layer_budgets if self.training else self.base_budgets  # evaluate the model, not DST
         return AttentionContext(
             cu_seqlens=cu_seqlens,
             config=self.attention_config,
-            budgets=self.layer_budgets if self.training else self.base_budgets,  # evaluate the model, not DST
+            budgets=_group_budgets(budgets, cp) if cp.active and self.training else budgets,
             base_budgets=self.base_budgets,
             timer=AttentionTimer(cu_seqlens.device),
             recall_rows=self.attention_config.recall_rows if self.training else 0,
+            context_parallel=cp,
         )
+
+    @property
+    def context_parallel(self) -> ContextParallel:
+        """This rank's context-parallel group, as the strategy set it up (a group of one without one)."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        return getattr(strategy, "context_parallel", None) or ContextParallel()
+
+    def group_share(self, batch: dict) -> dict:
+        """Under context parallelism, this rank's striped share of a training or validation stream, cut once per
+        micro-batch (``stripe_packed``); the batch itself otherwise."""
+        cp = self.context_parallel
+        if not cp.active:
+            return batch
+        shard = stripe_packed(batch, world_size=cp.size, rank=cp.rank, block_size=self.attention_config.block_size)
+        return dict(shard, striped=True)
 
     def document_lengths(self, batch: dict) -> list[int]:
         """Token count of each document of a packed micro-batch (``SparsityTunable``)."""
@@ -201,12 +226,13 @@ class SparseQwen(L.LightningModule):
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed loss and number of loss-bearing tokens of one packed micro-batch on this rank."""
-        ctx = self.attention_context(batch["cu_seqlens"])
+        ctx = self.attention_context(batch["cu_seqlens"], striped=batch.get("striped", False))
         self.last_context = ctx
         return self.net(batch["input_ids"], batch["position_ids"], batch["targets"], ctx)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         start = time.perf_counter()
+        batch = self.group_share(batch)
         loss_sum, num_tokens = self(batch)
         loss, reported = globally_normalised_loss(loss_sum, num_tokens)
         if torch.isfinite(reported):
@@ -229,10 +255,12 @@ class SparseQwen(L.LightningModule):
         self._batch_start = time.perf_counter()
 
     def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
-        """Whole-batch wall time (forward, backward, optimiser step) and the global token throughput."""
+        """Whole-batch wall time (forward, backward, optimiser step) and the global token throughput (a
+        context-parallel group's ranks share their stream's tokens)."""
         seconds = time.perf_counter() - self._batch_start
         self.log("train/step_s", seconds, batch_size=1)
-        tokens_per_s = torch.tensor(batch["input_ids"].shape[1] / seconds, device=self.device)
+        tokens = batch["input_ids"].shape[1] / self.context_parallel.size
+        tokens_per_s = torch.tensor(tokens / seconds, device=self.device)
         self.log("train/tokens_per_s", tokens_per_s, batch_size=1, sync_dist=True, reduce_fx="sum")
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
@@ -311,7 +339,7 @@ class SparseQwen(L.LightningModule):
             self.cost_model.load_state_dict(checkpoint["cost_model"])
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        loss_sum, num_tokens = self(batch)
+        loss_sum, num_tokens = self(self.group_share(batch))
         self.val_loss.update(loss_sum, num_tokens)
         self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=1)
 
@@ -372,3 +400,16 @@ class SparseQwen(L.LightningModule):
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: cfg.lr_factor(step, total_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _group_budgets(budgets: list[LayerBudget], cp: ContextParallel) -> list[LayerBudget]:
+    """One budget for the whole context-parallel group (its selection is collective and needs equal budgets):
+    the budgets of the member keeping the fewest tiles (least mean ``density_scale``, then lowest mean tau),
+    whose time sets the group's; the first such member on a tie."""
+    members = gather_objects(budgets, group=cp.group)
+
+    def tightness(member: list[LayerBudget]) -> tuple[float, float]:
+        scales = [1.0 if b.density_scale is None else b.density_scale for b in member]
+        return float(np.mean(scales)), float(np.mean([b.tau for b in member]))
+
+    return min(members, key=tightness)

@@ -22,16 +22,19 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from sparsebalance_pl import checkpoints
+from sparsebalance_pl.context_parallel import ContextParallel, context_parallel_groups, create_context_parallel
 from sparsebalance_pl.distributed import is_collective_failure
 from sparsebalance_pl.errors import TrainingError
 
@@ -39,7 +42,29 @@ log = logging.getLogger(__name__)
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` with every process one data-parallel rank (no tensor parallelism)."""
+    """``ModelParallelStrategy`` with every process one data-parallel rank (no tensor parallelism), FSDP over
+    all ranks, and optionally context-parallel groups of ``context_parallel_size`` neighbouring ranks that
+    share one packed stream each (``sparsebalance_pl.context_parallel``; 1: none).
+
+    Args beyond ``ModelParallelStrategy``'s:
+        context_parallel_size: ranks per context-parallel group; it must divide the world, and a node's ranks
+            or span whole nodes.
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        context_parallel_size: int = 1,
+    ) -> None:
+        super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
+                         process_group_backend, timeout)
+        context_parallel_groups(context_parallel_size, context_parallel_size, context_parallel_size)  # type and sign
+        self.context_parallel_size = context_parallel_size
+        self.context_parallel = ContextParallel()
 
     def setup_environment(self) -> None:
         if self._tensor_parallel_size == "auto":
@@ -47,6 +72,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._data_parallel_size == "auto":
             self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
         super().setup_environment()
+        self.context_parallel = create_context_parallel(self.context_parallel_size, self.num_processes, self._timeout)
         if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             _share_cores(self.num_processes)
 

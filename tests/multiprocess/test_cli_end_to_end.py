@@ -41,3 +41,28 @@ def test_fit_then_validate_from_checkpoint(tmp_path):
                   "--data.evaluation.samples_per_cell=2")
     for cell in ("passkey@256", "multikey_niah@512", "kv_retrieval@512"):
         assert f"test/accuracy/{cell}" in result.stdout
+
+
+@pytest.mark.slow
+def test_context_parallel_overlay_trains_documents_longer_than_a_rank(tmp_path):
+    """configs/context_parallel.yaml on a small corpus: documents up to twice a rank's max_tokens train whole
+    across the 2 ranks of the group, and the loss falls."""
+    _run(tmp_path, "fit", *SMALL, "--config", str(REPO / "configs" / "context_parallel.yaml"),
+         "--data.batching.max_tokens=512", "--data.corpus.max_doc_tokens=1024", "--trainer.max_steps=8",
+         "--trainer.val_check_interval=4")
+    rows = list(csv.DictReader(open(tmp_path / "outputs/context_parallel/logs/version_0/metrics.csv")))
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    streams = [float(r["plan/tokens_max"]) for r in rows if r.get("plan/tokens_max")]
+    shares = [float(r["train/tokens"]) for r in rows if r.get("train/tokens")]
+    assert max(streams) > 512 and max(shares) <= 512  # a group's stream beyond one rank, each rank half of it
+    assert losses[-1] < losses[0]
+
+
+def test_a_context_parallel_size_that_does_not_divide_the_world_stops_with_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "main.py"), "fit", *SMALL, "--trainer.strategy.init_args.context_parallel_size=3",
+         "--trainer.max_steps=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0
+    assert "context_parallel_size=3 does not divide the world of 2 ranks" in result.stderr
