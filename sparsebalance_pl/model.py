@@ -110,6 +110,10 @@ PRESETS: dict[str, ModelDims] = {
 }
 
 
+#: The overrides a pretrained model accepts: they extend its context without changing its weights' shapes.
+CONTEXT_OVERRIDES = ("rope_theta", "max_position_embeddings")
+
+
 @dataclass
 class ModelConfig:
     """Which Qwen2 to train: a preset name, optionally overridden dimension by dimension, or a local checkpoint.
@@ -118,7 +122,9 @@ class ModelConfig:
         preset: one of ``PRESETS`` (ignored when ``pretrained_path`` is set).
         pretrained_path: a local Hugging Face model directory (config.json plus safetensors); its weights are
             loaded and its tokenizer can be used by the data module. Never downloaded.
-        overrides: dimension overrides on top of the preset, e.g. ``{"num_layers": 2}``.
+        overrides: dimension overrides on top of the preset, e.g. ``{"num_layers": 2}``. On a pretrained
+            model only those that keep its weights' shapes, for extending its context: ``rope_theta`` and
+            ``max_position_embeddings``.
     """
 
     preset: str = "demo"
@@ -137,6 +143,12 @@ class ModelConfig:
         unknown = set(self.overrides or {}) - allowed
         if unknown:
             raise ConfigError(f"model.overrides has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+        reshaping = set(self.overrides or {}) - set(CONTEXT_OVERRIDES)
+        if self.pretrained_path is not None and reshaping:
+            raise ConfigError(
+                f"model.overrides {sorted(reshaping)} would change the shapes of the pretrained weights in "
+                f"{self.pretrained_path}; a pretrained model takes only {list(CONTEXT_OVERRIDES)}"
+            )
 
     def dims(self) -> ModelDims:
         if self.pretrained_path is not None:
@@ -148,8 +160,15 @@ class ModelConfig:
     def build(self, attn_implementation: str, device: torch.device | str | None = None) -> Qwen2ForCausalLM:
         """Build the model with the given registered attention implementation, on ``device``."""
         if self.pretrained_path is not None:
+            config = Qwen2Config.from_pretrained(self.pretrained_path)
+            overrides = self.overrides or {}
+            if "max_position_embeddings" in overrides:
+                config.max_position_embeddings = overrides["max_position_embeddings"]
+            if "rope_theta" in overrides:
+                config.rope_parameters = {**(config.rope_parameters or {}), "rope_theta": overrides["rope_theta"]}
             model = Qwen2ForCausalLM.from_pretrained(
                 self.pretrained_path,
+                config=config,
                 attn_implementation=attn_implementation,
                 torch_dtype=torch.float32,
                 local_files_only=True,

@@ -41,6 +41,22 @@ def test_qwen05b_architecture():
     assert cfg["model"]["attention"]["backend"] == "sparse"
 
 
+def test_qwen3b_512k_trains_512k_documents_across_the_gpus_of_a_node():
+    from sparsebalance_pl.context_parallel import context_parallel_groups
+
+    model_config, model = _meta_model("qwen3b_512k.yaml")
+    assert sum(p.numel() for p in model.parameters()) == 3_085_938_688
+    assert model.config.max_position_embeddings == 524288
+    cfg = yaml.safe_load((CONFIGS / "qwen3b_512k.yaml").read_text())
+    trainer, data = cfg["trainer"], cfg["data"]
+    size = trainer["strategy"]["init_args"]["context_parallel_size"]
+    groups = context_parallel_groups(trainer["devices"] * trainer["num_nodes"], size, trainer["devices"])
+    assert len(groups) == 4 and all(g[0] // 8 == g[-1] // 8 for g in groups)  # each group within one node
+    assert size * data["batching"]["max_tokens"] >= data["corpus"]["max_doc_tokens"] == 524288
+    callbacks = {c["class_path"].rsplit(".", 1)[-1] for c in trainer["callbacks"]}
+    assert {"DynamicSparsityTuning", "BatchPlanMonitor", "DensityCalibration"} <= callbacks
+
+
 def test_dims_round_trip_through_hugging_face_config():
     dims = ModelConfig(preset="qwen2.5-0.5b").dims()
     assert ModelDims.from_hf_config(dims.to_hf_config()) == dims

@@ -1,11 +1,13 @@
 """A local Hugging Face directory supplies the weights and the tokenizer; nothing is downloaded."""
 
+import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from sparsebalance_pl.attention import ATTN_IMPLEMENTATION
 from sparsebalance_pl.datamodules.tokenizer import load_tokenizer
+from sparsebalance_pl.errors import ConfigError
 from sparsebalance_pl.model import ModelConfig
 
 
@@ -40,3 +42,19 @@ def test_weights_and_tokenizer_come_from_the_local_directory(tmp_path):
     own = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     text = "the value of key ab12 is 12345"
     assert tokenizer.encode(text) == own.encode(text, add_special_tokens=False).ids
+
+
+def test_a_pretrained_context_is_extended_by_overrides_and_nothing_else(tmp_path):
+    saved = _save_local_model(tmp_path)
+    config = ModelConfig(pretrained_path=str(tmp_path),
+                         overrides={"rope_theta": 1.0e7, "max_position_embeddings": 524288})
+    loaded = config.build(ATTN_IMPLEMENTATION)
+    assert loaded.config.rope_parameters["rope_theta"] == 1.0e7 and loaded.config.max_position_embeddings == 524288
+    assert config.dims().rope_theta == 1.0e7 and config.dims().max_position_embeddings == 524288
+    slower = loaded.model.rotary_emb.inv_freq / saved.model.rotary_emb.inv_freq  # the rotary frequencies follow
+    assert slower[0] == 1.0 and slower[-1] < 0.5
+    for (name, a), (_, b) in zip(saved.state_dict().items(), loaded.state_dict().items()):
+        if "rotary" not in name:
+            assert torch.equal(a, b), name
+    with pytest.raises(ConfigError, match=r"model.overrides \['num_layers'\] would change the shapes"):
+        ModelConfig(pretrained_path=str(tmp_path), overrides={"num_layers": 1})
