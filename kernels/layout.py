@@ -126,18 +126,27 @@ def striped_blocks(num_blocks: int, world_size: int, rank: int, device=None) -> 
     return torch.arange(rank, num_blocks, world_size, device=device)
 
 
-def forced_tiles(doc: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """bool [nB, nB]: the always-kept tiles, the diagonal and the first block of each document present.
+def forced_tiles(
+    doc: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, sink_blocks: int = 1, local_blocks: int = 1
+) -> torch.Tensor:
+    """bool [nB, nB]: the always-kept tiles: the ``local_blocks`` blocks ending at the diagonal (a local window,
+    1: the diagonal alone) and the first ``sink_blocks`` blocks of the query block's first document (0: none).
+    Tiles outside the causal document ranges are dropped by the caller (``& candidate_tiles``).
 
     Any document other than the first one of a query block starts inside that block, so its first block is
-    the diagonal; only the first document's first block needs adding.
+    the diagonal; only the first document's first blocks need adding.
     """
+    if local_blocks < 1 or sink_blocks < 0:
+        raise ValueError(f"local_blocks must be >= 1 and sink_blocks >= 0, got {local_blocks} and {sink_blocks}")
     first, _ = group_doc_range(doc, block_size)
     n = first.numel()
-    forced = torch.eye(n, dtype=torch.bool, device=doc.device)
+    rows = torch.arange(n, device=doc.device)
+    behind = rows[:, None] - rows[None, :]
+    forced = (behind >= 0) & (behind < local_blocks)
     sink = cu_seqlens.to(doc.device).long()[first] // block_size
-    forced[torch.arange(n, device=doc.device), sink] = True
-    return forced
+    for offset in range(sink_blocks):
+        forced[rows, (sink + offset).clamp(max=n - 1)] = True
+    return forced & (behind >= 0)
 
 
 def pair_mask(

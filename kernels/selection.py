@@ -41,6 +41,41 @@ from .ring import context_unshard, group_place
 
 # Stride-level score elements (heads x query groups x key groups) per chunk of query blocks.
 _CHUNK_ELEMENTS = 1 << 24
+# Estimated-mass thresholds among which ``per_head_tau`` picks each head's (the last keeps every candidate).
+_CALIBRATION_GRID = [round(0.30 + 0.01 * i, 2) for i in range(70)] + [1.0]
+ESTIMATES = ("antidiagonal", "sampled")
+SELECTION_OPTIONS = {"estimate": "antidiagonal", "sink_blocks": 1, "local_blocks": 1, "recall_probes": 0,
+                     "per_head_tau": False}
+"""Keyword options of the selection functions, with their defaults (the selection as it was before them):
+
+- ``estimate``: ``antidiagonal`` (XAttention: one score per stride tile, the sum of its antidiagonal's q.k
+  products, softmax over stride tiles) or ``sampled`` (the same S products per tile, each its own query token's
+  score of one sampled key, softmax per query token over its sampled keys: an unbiased sample of each token's
+  attention row at the same cost, which sees single hot keys that an averaged logit hides);
+- ``sink_blocks``: always keep this many first blocks of the query block's first document (0: none);
+- ``local_blocks``: always keep this many causal blocks ending at the diagonal (1: the diagonal alone);
+- ``recall_probes``: exact attention rows of this many seeded tokens per query block, on which the estimated
+  kept mass is calibrated (``SelectionStats.kept_mass`` becomes honest on average; 0: off; costs
+  probes x T x D per query block and head);
+- ``per_head_tau``: with probes, tau is each head's target exact recall on them (the head's top-p threshold on
+  the estimated mass is the least of a grid reaching it), rather than a threshold on the estimated mass.
+"""
+
+
+def selection_options(**options) -> dict:
+    """``SELECTION_OPTIONS`` with ``options`` applied, checked."""
+    unknown = set(options) - set(SELECTION_OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown selection options {sorted(unknown)}; allowed: {sorted(SELECTION_OPTIONS)}")
+    merged = {**SELECTION_OPTIONS, **options}
+    if merged["estimate"] not in ESTIMATES:
+        raise ValueError(f"estimate must be one of {ESTIMATES}, got {merged['estimate']!r}")
+    for name, least in (("sink_blocks", 0), ("local_blocks", 1), ("recall_probes", 0)):
+        if not isinstance(merged[name], int) or isinstance(merged[name], bool) or merged[name] < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {merged[name]!r}")
+    if merged["per_head_tau"] and not merged["recall_probes"]:
+        raise ValueError("per_head_tau needs recall_probes >= 1: the probes measure each head's exact recall")
+    return merged
 
 
 @dataclass
@@ -71,15 +106,43 @@ class BlockRanking:
     sorted_mass: torch.Tensor  # float [Hq, nB, nB], their estimated mass (non-candidates 0)
     mass_before: torch.Tensor  # float [Hq, nB, nB], estimated mass of the blocks ranked before each rank
     row_mass: torch.Tensor  # float [Hq, nB, 1], estimated mass of each row (1 up to rounding)
+    # exact mass of each row's probe tokens (``recall_probes``) on its blocks in rank order, cumulative; None: no probes
+    probe_cumulative: torch.Tensor | None = None  # float [Hq, nB, nB]
+    per_head_tau: bool = False  # tau is each head's target exact recall on the probe tokens
     q_blocks = None  # the query blocks the rows are (None: every block of the stream); not a field here
 
     def kept_at(self, taus, max_density: float | None = None, max_tiles=None) -> torch.Tensor:
         """[Hq, nB, len(taus)] blocks each row keeps at each tau, with the per-row cap ``max_density`` and a
         bound ``max_tiles`` (int or 0-d tensor) on the kept tiles of all rows together."""
-        count = _kept_counts(self.mass_before, self.row_mass, self.candidates, self.forced, taus, max_density)
+        if self.per_head_tau:
+            count = self._calibrated_counts(taus, max_density)
+        else:
+            count = _kept_counts(self.mass_before, self.row_mass, self.candidates, self.forced, taus, max_density)
         if max_tiles is None:
             return count
         return torch.stack([self._within(count[..., i], max_tiles) for i in range(count.shape[-1])], dim=-1)
+
+    def _calibrated_counts(self, taus, max_density: float | None) -> torch.Tensor:
+        """Top-p counts [Hq, nB, M] whose exact recall on the probe tokens reaches each tau, head by head: each
+        head keeps, at every row, the estimated-mass top-p prefix of the least threshold of ``_CALIBRATION_GRID``
+        whose probe recall over all the head's rows (the whole stream's) is at least tau, then the cap."""
+        taus = torch.as_tensor(taus, dtype=self.mass_before.dtype, device=self.mass_before.device).reshape(-1)
+        grid = torch.as_tensor(_CALIBRATION_GRID, dtype=taus.dtype, device=taus.device)
+        counts = _kept_counts(self.mass_before, self.row_mass, self.candidates, self.forced, grid, None)
+        kept = self.probe_cumulative.gather(-1, (counts - 1).clamp(min=0))  # [Hq, nB, G]
+        rows = self._total(torch.ones_like(kept[0, :, 0]).sum())
+        recall = self._total(kept.sum(dim=1)) / rows  # [Hq, G], non-decreasing: the masks are nested
+        reached = recall[:, None, :] >= taus[None, :, None] - 1e-6  # [Hq, M, G]; the last grid point keeps all
+        reached[..., -1] = True
+        pick = reached.float().argmax(dim=-1)  # [Hq, M]: first grid point reaching each tau
+        count = counts.gather(-1, pick[:, None, :].expand(-1, counts.shape[1], -1))
+        if bool(((taus <= 0) | (taus > 1)).any()):
+            raise ValueError(f"every tau must lie in (0, 1], got {taus.tolist()}")
+        if max_density is not None:
+            check_fraction("max_density", max_density)
+            cap = torch.maximum(self.forced, (max_density * self.candidates).floor().long())
+            count = torch.minimum(count, cap[:, None])
+        return count
 
     def _within(self, count: torch.Tensor, max_tiles) -> torch.Tensor:
         """``count`` [Hq, nB] cut to at most ``max_tiles`` kept tiles (never below the always-kept ones): the
@@ -114,7 +177,18 @@ class BlockRanking:
         mask = torch.zeros_like(keep_sorted).scatter_(-1, self.order, keep_sorted)
         last = (kept - 1).clamp(min=0)[..., None]
         kept_mass = self.mass_before.gather(-1, last) + self.sorted_mass.gather(-1, last)
-        return mask, SelectionStats(self, kept, kept_mass[..., 0] / self.row_mass[..., 0])
+        kept_mass = kept_mass[..., 0] / self.row_mass[..., 0]
+        if self.probe_cumulative is not None:
+            kept_mass = self._calibrated_mass(kept_mass, self.probe_cumulative.gather(-1, last)[..., 0])
+        return mask, SelectionStats(self, kept, kept_mass)
+
+    def _calibrated_mass(self, estimated: torch.Tensor, probed: torch.Tensor) -> torch.Tensor:
+        """Each row's estimated kept mass [Hq, nB] moved by its head's mean error on the probe tokens (exact
+        kept mass minus estimated, over all the head's rows): a difference estimator, so the head's mean
+        estimate is the probes' exact recall while the rows keep the estimate's spread."""
+        rows = self._total(torch.ones_like(estimated[0]).sum())
+        error = self._total((probed - estimated).sum(dim=1)) / rows  # [Hq]
+        return (estimated + error[:, None]).clamp(0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -229,6 +303,94 @@ def estimate_block_mass(
     return mass / mass.sum(dim=-1, keepdim=True)
 
 
+def _query_positions(num_tokens: int, block_size: int, blocks: torch.Tensor) -> torch.Tensor:
+    """Global token positions of the query rows of ``blocks`` (B per block; past the stream's end: -1)."""
+    pos = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
+    return torch.where(pos < num_tokens, pos, torch.full_like(pos, -1))
+
+
+def sampled_block_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    doc: torch.Tensor,
+    block_size: int,
+    stride: int,
+    scale: float,
+    q_blocks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[Hq, nQ, nB] fp32 estimated attention mass of each block (``estimate="sampled"``), rows normalised.
+
+    Query token t scores one key of every stride group g, token g * S + (S - 1 - t mod S): the S pairs of the
+    antidiagonal of each stride tile, the products ``estimate_block_mass`` sums, here kept apart. Each token's
+    sampled scores (causal, same document, token by token) get a softmax of their own, an estimate of its
+    attention row with every group represented by one key; a block's mass is its groups' share, averaged over
+    the block's tokens. Arguments as ``estimate_block_mass``.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    num_q_heads = q.shape[1]
+    group = num_q_heads // num_kv_heads
+    nb = num_blocks(num_tokens, block_size)
+    blocks = torch.arange(nb) if q_blocks is None else q_blocks.cpu()
+    pos = _query_positions(num_tokens, block_size, blocks).to(q.device)
+    num_groups = -(-num_tokens // stride)
+    per_block = block_size // stride
+    qf = F.pad(q.float(), (0, 0, 0, 0, 0, pos.numel() - q.shape[0]))
+    kf = F.pad(k.float(), (0, 0, 0, 0, 0, num_groups * stride - num_tokens)).view(num_groups, stride, num_kv_heads, head_dim)
+    key_doc = F.pad(doc, (0, num_groups * stride - num_tokens), value=-1).view(num_groups, stride)
+    key_pos = torch.arange(num_groups * stride, device=q.device).view(num_groups, stride)
+    row_block = torch.arange(pos.numel(), device=q.device) // block_size
+    row_doc = torch.where(pos >= 0, doc[pos.clamp(min=0)], torch.full_like(pos, -2))
+    mass = q.new_zeros(num_q_heads, blocks.numel(), nb, dtype=torch.float32)
+    rows_per_chunk = max(1, _CHUNK_ELEMENTS // (num_q_heads * num_groups))
+    for offset in range(stride):
+        key = stride - 1 - offset
+        rows_all = torch.nonzero((pos % stride == offset) & (pos >= 0)).flatten()
+        ks = kf[:, key].permute(1, 0, 2)[:, None]  # [Hkv, 1, G, D]
+        for rows in rows_all.split(rows_per_chunk):
+            qs = qf[rows].view(-1, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, g, R, D]
+            scores = (qs @ ks.transpose(-1, -2)).mul_(scale).reshape(num_q_heads, rows.numel(), num_groups)
+            allowed = (key_pos[None, :, key] <= pos[rows, None]) & (key_doc[None, :, key] == row_doc[rows, None])
+            probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1).nan_to_num_(0.0)
+            probs = F.pad(probs, (0, nb * per_block - num_groups)).view(num_q_heads, rows.numel(), nb, per_block)
+            mass.index_add_(1, row_block[rows], probs.sum(dim=-1))
+    return mass / mass.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def probe_block_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    doc: torch.Tensor,
+    block_size: int,
+    scale: float,
+    probes: int,
+    q_blocks: torch.Tensor | None = None,
+    seed: int = 0,
+) -> torch.Tensor:
+    """[Hq, nQ, nB] fp32 exact attention mass on each key block of ``probes`` seeded tokens of each query block
+    (causal, within the token's document), averaged over the block's probes: what ``recall_probes`` measures.
+    The probes of a global block are the same whichever rows are asked for (``q_blocks`` as in
+    ``estimate_block_mass``)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    num_q_heads = q.shape[1]
+    nb = num_blocks(num_tokens, block_size)
+    blocks = torch.arange(nb) if q_blocks is None else q_blocks.cpu()
+    # The same offsets for a block wherever it is asked for: drawn for every block of the stream, then indexed.
+    draws = torch.rand(nb, probes, generator=torch.Generator().manual_seed(seed))
+    sizes = (num_tokens - torch.arange(nb) * block_size).clamp(max=block_size)
+    offsets = (draws * sizes[:, None]).long().clamp(max=block_size - 1)[blocks]  # [nQ, P]
+    local = torch.arange(blocks.numel())[:, None] * block_size + offsets  # rows of q
+    pos = (blocks[:, None] * block_size + offsets).flatten().to(q.device)
+    kf = k.float().repeat_interleave(num_q_heads // num_kv_heads, dim=1).transpose(0, 1)  # [Hq, T, D]
+    keys = torch.arange(num_tokens, device=q.device)
+    exact = []
+    for rows, at in zip(local.flatten().split(64), pos.split(64)):
+        scores = (q[rows.to(q.device)].float().transpose(0, 1) @ kf.transpose(1, 2)) * scale  # [Hq, R, T]
+        allowed = (keys[None, :] <= at[:, None]) & (doc[None, :] == doc[at, None])
+        probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1)
+        exact.append(F.pad(probs, (0, nb * block_size - num_tokens)).view(num_q_heads, -1, nb, block_size).sum(-1))
+    return torch.cat(exact, dim=1).view(num_q_heads, blocks.numel(), probes, nb).mean(dim=2)
+
+
 def rank_blocks(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -238,14 +400,16 @@ def rank_blocks(
     stride: int = 16,
     scale: float | None = None,
     backend: str = "auto",
+    **options,
 ) -> BlockRanking:
     """Scores every candidate block (module docstring) and ranks each row's blocks once; ``select`` then
-    applies budgets. Arguments as ``select_blocks``."""
-    estimate, scale = _scoring(q, k, cu_seqlens, q.shape[0], block_size, stride, scale, backend)
-    return BlockRanking(*_rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate))
+    applies budgets. Arguments as ``select_blocks``; ``options`` are ``SELECTION_OPTIONS``."""
+    options = selection_options(**options)
+    estimate, scale = _scoring(q, k, cu_seqlens, q.shape[0], block_size, stride, scale, backend, options)
+    return BlockRanking(*_rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate, options=options))
 
 
-def _scoring(q, k, cu_seqlens, num_tokens: int, block_size: int, stride: int, scale, backend: str):
+def _scoring(q, k, cu_seqlens, num_tokens: int, block_size: int, stride: int, scale, backend: str, options: dict):
     """Checks the scoring arguments of a stream of ``num_tokens``; returns (the backend's mass estimate, scale)."""
     check_power_of_two("block_size", block_size)
     check_power_of_two("stride", stride)
@@ -254,6 +418,8 @@ def _scoring(q, k, cu_seqlens, num_tokens: int, block_size: int, stride: int, sc
     check_qk(q, k)
     check_cu_seqlens(cu_seqlens, num_tokens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if options["estimate"] == "sampled":  # torch on every backend: the Triton kernel scores antidiagonals only
+        return sampled_block_mass, scale
     if resolve_backend(backend, q.device) == "triton":
         from .selection_triton import estimate_block_mass as estimate
 
@@ -261,14 +427,17 @@ def _scoring(q, k, cu_seqlens, num_tokens: int, block_size: int, stride: int, sc
     return estimate_block_mass, scale
 
 
-def _rank_rows(q, k, cu_seqlens, block_size: int, stride: int, scale: float, estimate, q_blocks=None) -> tuple:
+def _rank_rows(q, k, cu_seqlens, block_size: int, stride: int, scale: float, estimate, q_blocks=None,
+               options: dict | None = None) -> tuple:
     """``BlockRanking``'s fields for the query blocks ``q_blocks`` (None: all) of the stream whose keys are
     ``k``, scored by ``estimate``: forced blocks first, then candidates by estimated mass, then the rest."""
+    options = selection_options(**(options or {}))
     with torch.no_grad():
         doc = token_doc_ids(cu_seqlens.to(q.device), k.shape[0])
         mass = estimate(q, k, doc, block_size, stride, scale)
         candidates = candidate_tiles(doc, block_size)
-        forced = forced_tiles(doc, cu_seqlens, block_size) & candidates
+        forced = forced_tiles(doc, cu_seqlens, block_size, options["sink_blocks"], options["local_blocks"])
+        forced &= candidates
         if q_blocks is not None:
             candidates, forced = candidates[q_blocks], forced[q_blocks]
         priority = torch.where(candidates, mass + 2.0 * forced, torch.full_like(mass, -1.0))
@@ -276,7 +445,12 @@ def _rank_rows(q, k, cu_seqlens, block_size: int, stride: int, scale: float, est
         sorted_mass = torch.where(candidates, mass, torch.zeros_like(mass)).gather(-1, order)
         cumulative = sorted_mass.cumsum(dim=-1)
         mass_before = F.pad(cumulative[..., :-1], (1, 0)).contiguous()
-        return candidates.sum(-1), forced.sum(-1), order, sorted_mass, mass_before, cumulative[..., -1:]
+        probe = None
+        if options["recall_probes"]:
+            probe = probe_block_mass(q, k, doc, block_size, scale, options["recall_probes"], q_blocks)
+            probe = torch.where(candidates, probe, torch.zeros_like(probe)).gather(-1, order).cumsum(dim=-1)
+        return (candidates.sum(-1), forced.sum(-1), order, sorted_mass, mass_before, cumulative[..., -1:], probe,
+                options["per_head_tau"])
 
 
 def select_blocks(
@@ -291,6 +465,7 @@ def select_blocks(
     scale: float | None = None,
     return_stats: bool = False,
     backend: str = "auto",
+    **options,
 ):
     """Block mask bool [Hq, ceil(T/B), ceil(T/B)] for ``block_sparse_attention`` (module docstring for the rule).
 
@@ -301,7 +476,8 @@ def select_blocks(
     ``rank_blocks(...).select(...)`` is the same in two steps, for several budgets or a tile budget.
     """
     _check_budget(tau, max_density)
-    ranking = rank_blocks(q, k, cu_seqlens, block_size=block_size, stride=stride, scale=scale, backend=backend)
+    ranking = rank_blocks(q, k, cu_seqlens, block_size=block_size, stride=stride, scale=scale, backend=backend,
+                          **options)
     return _selected(ranking, tau, max_density, return_stats)
 
 
@@ -338,6 +514,7 @@ def select_with_budget(
     stride: int = 16,
     scale: float | None = None,
     backend: str = "auto",
+    **options,
 ) -> BudgetedSelection:
     """``select_blocks`` under a whole ``LayerBudget``: tau, the per-row cap ``max_density``, and the layer's
     kept tiles bounded by ``density_scale`` times what ``base`` (the configured budget) keeps; plus every
@@ -347,7 +524,8 @@ def select_with_budget(
     ``layer_budgets[i]`` and ``base_budgets[i]``: ignoring ``density_scale`` would leave the predicted balance
     improving while the measured one does not.
     """
-    ranking = rank_blocks(q, k, cu_seqlens, block_size=block_size, stride=stride, scale=scale, backend=backend)
+    ranking = rank_blocks(q, k, cu_seqlens, block_size=block_size, stride=stride, scale=scale, backend=backend,
+                          **options)
     return _select_budgeted(ranking, budget, base, cu_seqlens, q.shape[0], block_size)
 
 
@@ -497,6 +675,7 @@ def rank_blocks_striped(
     stride: int = 16,
     scale: float | None = None,
     backend: str = "auto",
+    **options,
 ) -> StripedRanking:
     """``rank_blocks`` for a stream held block-striped by the ranks of ``group`` (``context_shard``): ranks this
     rank's query blocks against the whole stream's keys. q [T/W, Hq, D] and k [T/W, Hkv, D] are this rank's
@@ -521,14 +700,16 @@ def rank_blocks_striped(
             f"a stream padded to a multiple of world_size * block_size = {world_size * block_size}"
         )
     num_tokens = q.shape[0] * world_size
-    estimate, scale = _scoring(q, k, cu_seqlens, num_tokens, block_size, stride, scale, backend)
+    options = selection_options(**options)
+    estimate, scale = _scoring(q, k, cu_seqlens, num_tokens, block_size, stride, scale, backend, options)
     q_blocks = None
     if world_size > 1:
         q_blocks = striped_blocks(num_blocks(num_tokens, block_size), world_size, rank, q.device)
-        estimate = partial(estimate_block_mass, q_blocks=q_blocks)
+        torch_estimate = sampled_block_mass if options["estimate"] == "sampled" else estimate_block_mass
+        estimate = partial(torch_estimate, q_blocks=q_blocks)
         with torch.no_grad():
             k = _gather_stream(k.detach(), group, world_size, block_size)
-    fields = _rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate, q_blocks)
+    fields = _rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate, q_blocks, options)
     return StripedRanking(*fields, group=group, world_size=world_size, rank=rank, q_blocks=q_blocks)
 
 
@@ -545,6 +726,7 @@ def select_blocks_striped(
     scale: float | None = None,
     return_stats: bool = False,
     backend: str = "auto",
+    **options,
 ):
     """``select_blocks`` for a stream held block-striped by the ranks of ``group``: this rank's rows of the
     whole stream's mask, in the global bool [Hq, T/B, T/B] ``block_mask`` of ``sparse_ring_attention`` (other
@@ -552,7 +734,7 @@ def select_blocks_striped(
     rank's rows. Collective: every rank of the group calls it."""
     _check_budget(tau, max_density)
     ranking = rank_blocks_striped(
-        q, k, cu_seqlens, block_size=block_size, group=group, stride=stride, scale=scale, backend=backend
+        q, k, cu_seqlens, block_size=block_size, group=group, stride=stride, scale=scale, backend=backend, **options
     )
     return _selected(ranking, tau, max_density, return_stats)
 
@@ -569,6 +751,7 @@ def select_with_budget_striped(
     stride: int = 16,
     scale: float | None = None,
     backend: str = "auto",
+    **options,
 ) -> BudgetedSelection:
     """``select_with_budget`` for a stream held block-striped by the ranks of ``group``: the mask as
     ``select_blocks_striped``'s, ``density_scale`` bounding the tiles of the whole layer (the base budget's
@@ -576,6 +759,6 @@ def select_with_budget_striped(
     base density over the whole stream, the same on every rank. Collective: every rank of the group calls it
     with the same budgets."""
     ranking = rank_blocks_striped(
-        q, k, cu_seqlens, block_size=block_size, group=group, stride=stride, scale=scale, backend=backend
+        q, k, cu_seqlens, block_size=block_size, group=group, stride=stride, scale=scale, backend=backend, **options
     )
     return _select_budgeted(ranking, budget, base, cu_seqlens, q.shape[0] * ranking.world_size, block_size)
