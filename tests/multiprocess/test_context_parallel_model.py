@@ -14,14 +14,18 @@ from rank_runner import run_ranks
 BLOCK = 16
 DOCUMENTS = [7, 50, 100, 3, 75]  # 235 tokens: a document shorter than a block, documents across stripes, padding
 TOLERANCE = 1e-5
+CASES = [("dense", False), ("sparse", False), ("sparse", True)]  # (attention, activation checkpointing)
 
 
-def _model():
+def _model(checkpointing: bool = False):
     from sparsebalance_pl.model import ModelConfig, PackedCausalLM
 
     torch.manual_seed(0)
     dims = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=128)
-    return PackedCausalLM(ModelConfig(preset="demo", overrides=dims).build("sparsebalance"), loss_chunk_tokens=64)
+    hf_model = ModelConfig(preset="demo", overrides=dims).build("sparsebalance")
+    if checkpointing:  # the backward recomputes each layer, ring included, with the masks of the forward
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return PackedCausalLM(hf_model, loss_chunk_tokens=64)
 
 
 def _batch(step: int) -> dict:
@@ -66,8 +70,8 @@ def _rank(rank, out_dir):
 
     results = {}
     cp = ContextParallel(size=2, rank=rank, group=dist.new_group([0, 1]))
-    for backend in ("dense", "sparse"):
-        striped_net, whole_net = _model(), _model()
+    for backend, checkpointing in CASES:
+        striped_net, whole_net = _model(checkpointing), _model()
         # SGD: an update proportional to the gradient (Adam's sign-like steps on near-zero gradients would
         # turn rounding into differences the second step then measures)
         optimisers = [torch.optim.SGD(n.parameters(), lr=1.0) for n in (striped_net, whole_net)]
@@ -76,7 +80,7 @@ def _rank(rank, out_dir):
             shard = stripe_packed(batch, world_size=2, rank=rank, block_size=BLOCK)
             got = _loss_and_grads(striped_net, shard, _context(shard, backend, cp), world_size=2)
             want = _whole_stream(whole_net, batch, backend)
-            results[(backend, step)] = (got, want)
+            results[(backend, checkpointing, step)] = (got, want)
             for opt in optimisers:
                 opt.step()
     # The group agrees on its tightest member's budgets.
@@ -101,12 +105,12 @@ def test_context_parallel_model_equals_whole_stream(tmp_path):
     assert run_ranks(_rank, str(tmp_path), world_size=2, timeout=300) == {}
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        for backend in ("dense", "sparse"):
+        for backend, checkpointing in CASES:
             for step in range(2):
-                (loss, grads), (want_loss, want_grads) = results[(backend, step)]
+                (loss, grads), (want_loss, want_grads) = results[(backend, checkpointing, step)]
                 assert abs(loss - want_loss) <= TOLERANCE * abs(want_loss), (backend, step, loss, want_loss)
                 for name, want in want_grads.items():
                     error = float((grads[name] - want).abs().max() / want.abs().max().clamp_min(1e-12))
-                    assert error <= TOLERANCE, f"{backend} step {step}: gradient of {name} off by {error:.2e}"
+                    assert error <= TOLERANCE, f"{backend} {checkpointing} step {step}: gradient of {name} off by {error:.2e}"
         budgets = results["budgets"]
         assert budgets[0].density_scale == 0.6 and budgets[1].density_scale is None
