@@ -57,6 +57,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
+# Not run by sparse_ring_attention: striped, with each document's first block (the sink) copied to every rank
+# once per layer, so its tiles are computed at the rank's own step instead of at the step visiting its holder.
+SINKS_LOCAL = "striped, sinks local"
 STREAMS = {  # name: (tokens, kind)
     "doc8k": (8192, "long"),
     "long32k": (32768, "long"),
@@ -88,14 +91,27 @@ def owners(num_blocks: int, world_size: int, layout: str) -> torch.Tensor:
     return torch.where(chunk < world_size, chunk, 2 * world_size - 1 - chunk)
 
 
-def tile_matrix(kept: torch.Tensor, owner: torch.Tensor, world_size: int) -> torch.Tensor:
+def tile_matrix(kept: torch.Tensor, owner: torch.Tensor, world_size: int,
+                shared_keys: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [W, W]: kept tiles (all heads) whose query block rank r holds and whose key block rank s holds.
 
-    kept: bool [H, nB, nB] (or [nB, nB]), already restricted to candidate tiles (causal, same document)."""
+    kept: bool [H, nB, nB] (or [nB, nB]), already restricted to candidate tiles (causal, same document).
+    shared_keys: bool [nB], key blocks every rank holds a copy of (their tiles count at the rank's own step)."""
     per_tile = kept.reshape(-1, *kept.shape[-2:]).sum(0)  # [nB, nB] heads that keep each tile
-    pair = owner[:, None] * world_size + owner[None, :]
+    key_owner = owner[None, :].expand(owner.numel(), -1)
+    if shared_keys is not None:
+        key_owner = torch.where(shared_keys[None, :], owner[:, None], key_owner)
+    pair = owner[:, None] * world_size + key_owner
     return torch.bincount(pair.flatten(), weights=per_tile.flatten().double(),
                           minlength=world_size * world_size).round().long().view(world_size, world_size)
+
+
+def sink_blocks(cu_seqlens: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """bool [nB]: the blocks holding a document's first token (the sinks selection always keeps)."""
+    starts = cu_seqlens[:-1][cu_seqlens[1:] > cu_seqlens[:-1]].long()
+    sinks = torch.zeros(num_blocks, dtype=torch.bool)
+    sinks[starts // block_size] = True
+    return sinks
 
 
 def ring_steps(matrix: torch.Tensor) -> torch.Tensor:
@@ -453,18 +469,20 @@ def median(xs) -> float:
     return float(statistics.median(xs))
 
 
-def part1(stream_masks: dict, candidates: torch.Tensor, world_sizes: list[int]) -> dict:
-    """{W: {layout: {"real": [per-layer balance], "dense": balance}}}"""
+def part1(stream_masks: dict, candidates: torch.Tensor, world_sizes: list[int], sinks: torch.Tensor) -> dict:
+    """{W: {layout: {"real": {layer: balance}, "dense": balance}}}, with the hypothetical ``SINKS_LOCAL``."""
     heads = next(iter(stream_masks.values())).shape[0]
     dense = candidates.expand(heads, -1, -1)
     out = {}
     for w in world_sizes:
         out[w] = {}
-        for layout in LAYOUTS:
-            owner = owners(candidates.shape[-1], w, layout)
+        for layout in (*LAYOUTS, SINKS_LOCAL):
+            owner = owners(candidates.shape[-1], w, "striped" if layout == SINKS_LOCAL else layout)
+            shared = sinks if layout == SINKS_LOCAL else None
             out[w][layout] = {
-                "real": {layer: balance(tile_matrix(m & candidates, owner, w)) for layer, m in stream_masks.items()},
-                "dense": balance(tile_matrix(dense, owner, w)),
+                "real": {layer: balance(tile_matrix(m & candidates, owner, w, shared))
+                         for layer, m in stream_masks.items()},
+                "dense": balance(tile_matrix(dense, owner, w, shared)),
             }
     return out
 
@@ -498,6 +516,23 @@ def summarise(results: dict) -> list[str]:
                              f"{cell('step_imbalance')} | {cell('sync_cost')} | {d['total_imbalance']:.3f} | "
                              f"{d['step_imbalance']:.3f} | {d['sync_cost']:.3f} |")
         lines.append("")
+        if "8" in map(str, stream["balance"]):
+            b = {str(k): v for k, v in stream["balance"].items()}["8"]
+            density = {str(k): v for k, v in stream["density"].items()}
+            layer = sorted(density, key=density.get)[len(density) // 2]
+            lines += [f"Kept tiles (all heads) per ring step (rows) and rank (columns), W = 8, layer {layer} "
+                      f"(median density {density[layer]:.3f}):", ""]
+            for layout in b:
+                steps = b[layout]["real"][layer if layer in b[layout]["real"] else int(layer)]["step_tiles"]
+                lines += [f"{layout}:", "", "| step | " + " | ".join(f"rank {r}" for r in range(8)) + " | max / mean |",
+                          "|---" * 10 + "|"]
+                for t, row in enumerate(steps):
+                    mean = sum(row) / len(row)
+                    lines.append(f"| {t} | " + " | ".join(f"{x:,}" for x in row)
+                                 + f" | {max(row) / mean if mean else 1.0:.2f} |")
+                total = [sum(col) for col in zip(*steps)]
+                lines += ["| all | " + " | ".join(f"{x:,}" for x in total)
+                          + f" | {max(total) * len(total) / sum(total):.3f} |", ""]
     ring = results.get("ring")
     if ring:
         lines += [
@@ -577,7 +612,8 @@ def main(argv=None) -> None:
         results["streams"][name] = {
             "tokens": ids.numel(), "documents": len(docs), "longest_document": max(n for _, n in docs),
             "document_sources": docs, "blocks": candidates.shape[0], "density": cap.density,
-            "balance": part1(cap.masks, candidates, args.world_sizes),
+            "balance": part1(cap.masks, candidates, args.world_sizes,
+                             sink_blocks(cu, candidates.shape[0], args.block_size)),
         }
         if ring_here:
             ring_capture, ring_candidates = cap, candidates
@@ -683,24 +719,28 @@ def plot(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     names = list(results["streams"])
     fig, axes = plt.subplots(len(names), 2, figsize=(11, 3.6 * len(names)), squeeze=False)
-    colours = {"contiguous": "tab:red", "zigzag": "tab:orange", "striped": "tab:blue"}
+    colours = {"contiguous": "tab:red", "zigzag": "tab:orange", "striped": "tab:blue", SINKS_LOCAL: "tab:green"}
     for row, name in zip(axes, names):
         bal = results["streams"][name]["balance"]
         ws = sorted(bal, key=int)
+        xs = [int(w) for w in ws]  # keys are str when read back from results.json
         for ax, key, title in zip(row, ("total_imbalance", "step_imbalance"),
                                   ("per-rank total kept tiles", "per ring step (mean over steps)")):
-            for layout in LAYOUTS:
+            for layout in (x for x in colours if x in bal[ws[0]]):
                 real = [[r[key] for r in bal[w][layout]["real"].values()] for w in ws]
-                ax.plot(ws, [median(x) for x in real], "-o", color=colours[layout], label=f"{layout}, real (median)")
-                ax.fill_between(ws, [min(x) for x in real], [max(x) for x in real], color=colours[layout], alpha=0.15)
-                ax.plot(ws, [bal[w][layout]["dense"][key] for w in ws], "--", color=colours[layout],
+                ax.plot(xs, [median(x) for x in real], "-o", color=colours[layout], label=f"{layout}, real (median)")
+                ax.fill_between(xs, [min(x) for x in real], [max(x) for x in real], color=colours[layout], alpha=0.15)
+                ax.plot(xs, [bal[w][layout]["dense"][key] for w in ws], "--", color=colours[layout],
                         label=f"{layout}, dense causal")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_xticks([int(w) for w in ws], [str(w) for w in ws])
+            ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+            ax.set_xticks(xs, [str(x) for x in xs])
             ax.set_xlabel("W (ranks)")
             ax.set_ylabel("max / mean kept tiles")
             ax.set_title(f"{name}: {title}")

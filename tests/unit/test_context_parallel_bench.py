@@ -87,3 +87,15 @@ def test_bad_arguments_fail_in_one_line(capsys):
     assert "\n" not in str(err.value)
     with pytest.raises(SystemExit, match="does not split into 2W"):
         cp.parse_args(["--streams", "doc8k", "--world-sizes", "128"])
+
+
+def test_sinks_held_by_every_rank_count_at_the_own_step():
+    cu = torch.tensor([0, 40, 64], dtype=torch.int32)  # two documents: sinks in blocks 0 and 5 (B = 8)
+    sinks = cp.sink_blocks(cu, 8, 8)
+    assert torch.nonzero(sinks).flatten().tolist() == [0, 5]
+    kept = cp.candidates_of(cu, 64, 8)
+    plain = cp.tile_matrix(kept, cp.owners(8, 2, "striped"), 2)
+    local = cp.tile_matrix(kept, cp.owners(8, 2, "striped"), 2, sinks)
+    assert local.sum() == plain.sum()
+    # rank 0's block 6 sees sink 5 (rank 1's); rank 1's blocks 1, 3 see sink 0 (rank 0's), 5 and 7 their own
+    assert (local - plain).tolist() == [[1, -1], [-2, 2]]
