@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from sparsebalance_pl.attention import AttentionConfig  # noqa: E402
@@ -65,7 +66,7 @@ def main(argv=None) -> None:
     vocab = next(iter(modules.values())).dims.vocab_size
     rng = np.random.default_rng(0)
     batch = collate_packed([{"tokens": rng.integers(0, vocab, n)} for n in args.lengths])
-    batch = {k: v.to(args.device) for k, v in batch.items()}
+    batch = move_data_to_device(batch, args.device)
     cuda = torch.device(args.device).type == "cuda"
 
     def step(module: SparseQwen) -> float:

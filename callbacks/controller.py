@@ -136,19 +136,24 @@ class DSTController:
         self.budgets: list[list[LayerBudget]] = []  # every rank's, as last decided
         self.last: Decision | None = None
         self.last_lengths: list[list[int]] = []
+        self.last_shares: list[float] = []
 
-    def plan(self, lengths: Sequence[Sequence[int]]) -> Decision:
-        """Every rank's budgets for micro-batches of documents ``lengths[rank]``."""
+    def plan(self, lengths: Sequence[Sequence[int]], shares: Sequence[float] | None = None) -> Decision:
+        """Every rank's budgets for micro-batches of documents ``lengths[rank]``, of which the rank does the part
+        ``shares[rank]`` (default 1; ``1 / W`` for a stream shared by a context-parallel group of W ranks,
+        whose ranks the module then holds to one budget)."""
         lengths = [[int(n) for n in rank_lengths] for rank_lengths in lengths]
+        shares = [1.0] * len(lengths) if shares is None else [float(x) for x in shares]
         if len(self.shifts) != len(lengths):
             self.shifts = [None] * len(lengths)
-        models = [self.cost_model.for_rank(r) for r in range(len(lengths))]
+        models = [self.cost_model.for_rank(r, share) for r, share in enumerate(shares)]
         views = self._views(models, lengths)
         name, anchor = self._anchor(views)
         drift = None
         if self.last is not None and len(self.last_lengths) == len(lengths) and self.last.anchor > 0:
             # the same kind of anchor as then: the adaptive one may pick another kind for other predictions
-            then = [v.base for v in self._views(models, self.last_lengths)]
+            last_models = [self.cost_model.for_rank(r, share) for r, share in enumerate(self.last_shares)]
+            then = [v.base for v in self._views(last_models, self.last_lengths)]
             drift = anchor_time(then, self.last.anchor_name) / self.last.anchor
         base = [v.base for v in views]
         timed = [timed_seconds(model, ls, v.density) / v.base for model, ls, v in zip(models, lengths, views)]
@@ -161,7 +166,7 @@ class DSTController:
         self.budgets = [budget.budgets for budget in ranks]
         moved = [v.at(t) for v, t in zip(views, targets)]
         self.last = Decision(anchor, name, ranks, base, moved, drift)
-        self.last_lengths = lengths
+        self.last_lengths, self.last_shares = lengths, shares
         return self.last
 
     def _views(self, models: Sequence[LatencyModel], lengths: Sequence[Sequence[int]]) -> list[Outlook]:

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from sparsebalance_pl.balance import balance_efficiency, imbalance
 from sparsebalance_pl.callbacks.budget import Anchor
 from sparsebalance_pl.callbacks.controller import DSTController, check_settings, confidence
-from sparsebalance_pl.callbacks.protocol import SparsityTunable, missing_members
+from sparsebalance_pl.callbacks.protocol import SparsityTunable, missing_members, stream_share
 from sparsebalance_pl.cost import CostModel, StepObservation
 from sparsebalance_pl.distributed import gather_objects
 
@@ -106,8 +106,9 @@ class DynamicSparsityTuning(Callback):
 
     # ----------------------------------------------------------------------------------- before a step
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: SparsityTunable, batch: Any, batch_idx: int) -> None:
-        lengths = gather_objects([int(n) for n in pl_module.document_lengths(batch)])
-        decision = self.controller.plan(lengths)
+        share = stream_share(pl_module, batch)
+        gathered = gather_objects(([int(n) for n in pl_module.document_lengths(batch)], share))
+        decision = self.controller.plan([ls for ls, _ in gathered], [x for _, x in gathered])
         pl_module.layer_budgets = decision.ranks[trainer.global_rank].budgets
         logs = {
             "dst/anchor_s": decision.anchor,

@@ -12,6 +12,10 @@ the cost model on every rank::
 
 ``SparseQwen`` does exactly this whether or not the callback is attached, so a run without DST still
 calibrates the cost model its batch planner uses. The callback gets the same cost model with ``connect``.
+
+Optional: ``stream_share(batch) -> float``, the part of a micro-batch's documents this rank computes: ``1 / W``
+when a context-parallel group of W ranks shares the stream (pass the same share to ``observe_step``); 1 when
+the module lacks it.
 """
 
 from __future__ import annotations
@@ -54,6 +58,13 @@ class SparsityTunable(Protocol):
     def document_lengths(self, batch: Any) -> list[int]:
         """Token count of each document of a training micro-batch (called before its forward)."""
         ...
+
+
+def stream_share(module: object, batch: Any) -> float:
+    """The part of ``batch``'s documents ``module`` computes on this rank (its optional ``stream_share``; 1.0
+    without it)."""
+    share = getattr(module, "stream_share", None)
+    return 1.0 if share is None else float(share(batch))
 
 
 def missing_members(module: object) -> list[str]:

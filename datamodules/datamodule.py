@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from functools import partial
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -27,8 +27,10 @@ from sparsebalance_pl.datamodules.sampler import (
     BatchingConfig,
     PaddingItem,
     PlannedBatchSampler,
+    SharedStream,
     SparsityAwareSampler,
     first_fit_plan,
+    group_plan,
 )
 from sparsebalance_pl.datamodules.synthetic import LengthPrior
 from sparsebalance_pl.datamodules.tokenizer import load_tokenizer
@@ -39,8 +41,8 @@ from sparsebalance_pl.evaluation import Evaluation, LongBenchEvaluation, Retriev
 
 
 class PlanItems(Dataset):
-    """A map-style view indexed by plan items: a document index, or a ``PaddingItem`` (that document, bearing
-    no loss).
+    """A map-style view indexed by plan items: a document index, a ``PaddingItem`` (that document, bearing
+    no loss), or a ``SharedStream`` (a marker ``collate_packed`` turns into the batch's ``shared_stream``).
 
     ``base`` is anything indexable by global document index: a litdata StreamingDataset (an IterableDataset
     whose own ``len`` is the current rank's shard, hence ``size``) or a list of samples.
@@ -55,7 +57,9 @@ class PlanItems(Dataset):
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, key: int | PaddingItem) -> dict:
+    def __getitem__(self, key: int | PaddingItem | SharedStream) -> dict:
+        if isinstance(key, SharedStream):
+            return {"shared_stream": key.size}
         index = key.index if isinstance(key, PaddingItem) else key
         sample = self.base[index]
         if self.vocab_size is not None:
@@ -266,13 +270,14 @@ class LongContextDataModule(L.LightningDataModule):
         trainer = self.trainer
         return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
 
-    def slot_batching(self) -> BatchingConfig:
+    def slot_batching(self, context_parallel_size: int | None = None) -> BatchingConfig:
         """The batching of one slot of the training and validation plans: a context-parallel group of W ranks
-        (the strategy's ``context_parallel_size``) shares each micro-batch, so its slot holds W times a rank's
-        ``max_tokens`` and budget; the longest allowed document and evaluation sample must fit in a slot."""
+        (``context_parallel_size``, default the trainer's strategy's) is planned as one slot of W times a rank's
+        ``max_tokens`` and budget; the longest allowed document and evaluation sample must fit in a slot (one
+        line naming the settings otherwise; ``main.py`` checks this before any process starts)."""
         b = self.batching
-        size = self._context_parallel_size()
-        slot = replace(b, max_tokens=size * b.max_tokens, tokens_per_rank=size * b.rank_budget)
+        size = self._context_parallel_size() if context_parallel_size is None else context_parallel_size
+        slot = b.for_group(size)
         across = f" x context_parallel_size={size}" if size > 1 else ""
         if slot.max_tokens < self.corpus.max_doc_tokens:
             raise ConfigError(
@@ -287,20 +292,13 @@ class LongContextDataModule(L.LightningDataModule):
             )
         if slot.rank_budget < self.corpus.max_doc_tokens:
             raise ConfigError(
-                f"data.batching.tokens_per_rank={b.rank_budget}{across} is below data.corpus.max_doc_tokens="
-                f"{self.corpus.max_doc_tokens}: a global batch's budget per rank must hold the longest document"
+                f"data.batching.tokens_per_rank={b.rank_budget}{across} must lie between data.corpus.max_doc_tokens="
+                f"{self.corpus.max_doc_tokens} and data.batching.max_tokens={b.max_tokens}{across}"
             )
         return slot
 
     def _context_parallel_size(self) -> int:
         return getattr(self.trainer.strategy, "context_parallel_size", 1) if self.trainer is not None else 1
-
-    def _slots(self) -> tuple[int, int]:
-        """(slots, this rank's slot) of the training and validation plans: the ranks of a context-parallel group
-        read the same micro-batches, which the module stripes across them."""
-        world, rank = self._ranks()
-        size = self._context_parallel_size()
-        return world // size, rank // size
 
     def _check_ranks_agree(self, lengths: np.ndarray) -> None:
         """Stop when ranks would plan from different data or settings: their plans would diverge and the
@@ -320,14 +318,17 @@ class LongContextDataModule(L.LightningDataModule):
         return PlanItems(litdata.StreamingDataset(str(directory)), len(self.lengths(split)), self.vocab_size, directory)
 
     def train_plan(self, num_ranks: int, rank: int, **resume) -> SparsityAwareSampler:
-        """The training batch sampler of slot ``rank`` among ``num_ranks`` (``slot_batching``); its ``plan()``
-        holds every slot's micro-batches, which an emulation of many ranks in one process runs itself."""
-        return SparsityAwareSampler(self.lengths("train"), self.slot_batching(), cost_model=self.cost_model,
-                                    seed=self.seed, num_replicas=num_ranks, rank=rank, **resume)
+        """The training batch sampler of ``rank`` among ``num_ranks``, planned for context-parallel groups when
+        the strategy has them (``slot_batching``); its ``plan()`` holds every rank's micro-batches, which an
+        emulation of many ranks in one process runs itself."""
+        self.slot_batching()  # checks that the documents fit
+        return SparsityAwareSampler(self.lengths("train"), self.batching, cost_model=self.cost_model, seed=self.seed,
+                                    num_replicas=num_ranks, rank=rank,
+                                    context_parallel_size=self._context_parallel_size(), **resume)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         lengths = self.lengths(split)
-        num_ranks, rank = self._slots()
+        num_ranks, rank = self._ranks()
         if train:
             self._check_ranks_agree(lengths)
             resume = self._resume or {"epoch": 0, "batches_consumed": 0}
@@ -337,10 +338,12 @@ class LongContextDataModule(L.LightningDataModule):
                                       planned_step_overhead=resume.get("plan_step_overhead"))
             self.train_sampler = sampler
         else:
-            plan = first_fit_plan(
-                lengths, lengths, max_tokens=self.slot_batching().max_tokens, num_ranks=num_ranks, seed=self.seed,
-                epoch=0, shuffle=False,
+            size = self._context_parallel_size()
+            slots = first_fit_plan(
+                lengths, lengths, max_tokens=self.slot_batching().max_tokens, num_ranks=num_ranks // size,
+                seed=self.seed, epoch=0, shuffle=False,
             )
+            plan = group_plan(slots, lengths, lengths, group_size=size, rank_tokens=self.batching.max_tokens)
             sampler = PlannedBatchSampler(lambda epoch: plan, rank=rank)
         return DataLoader(
             self.items(split),

@@ -42,8 +42,12 @@ def first_fit(lengths: np.ndarray, order: np.ndarray, max_tokens: int) -> list[l
 def collate_packed(samples: list[dict]) -> dict[str, torch.Tensor]:
     """One packed stream ([1, T] tensors) from samples holding ``tokens`` arrays.
 
-    A sample with ``bears_loss: False`` (padding that keeps ranks in step) gets no targets.
+    A sample with ``bears_loss: False`` (padding that keeps ranks in step) gets no targets. A marker sample
+    ``{"shared_stream": W}`` (the plan's ``SharedStream``) makes the batch's ``shared_stream`` W: a context-parallel
+    group of W ranks trains it as one stream; 1 otherwise.
     """
+    shared = [s["shared_stream"] for s in samples if "shared_stream" in s]
+    samples = [s for s in samples if "shared_stream" not in s]
     tokens = [torch.as_tensor(np.asarray(s["tokens"]), dtype=torch.long) for s in samples]
     lengths = torch.tensor([len(t) for t in tokens], dtype=torch.int32)
     input_ids = torch.cat(tokens)
@@ -56,6 +60,7 @@ def collate_packed(samples: list[dict]) -> dict[str, torch.Tensor]:
         "targets": targets[None],
         "position_ids": position_ids[None],
         "cu_seqlens": cu_seqlens,
+        "shared_stream": shared[0] if shared else 1,
     }
 
 

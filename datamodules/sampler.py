@@ -5,12 +5,17 @@ computes the same epoch plan from (seed, epoch, document lengths, predicted cost
 takes its own column of it. The plan has the same number of micro-batches on every rank, so collectives never
 wait on a missing rank; a rank with nothing left in a step gets a ``PaddingItem`` that bears no loss.
 ``SparsityAwareSampler`` is the public one, for any map-style dataset whose documents' lengths are known.
+
+Context parallelism: with groups of W neighbouring ranks, a plan is made for the groups, each one slot of W
+times a rank's tokens, and ``group_plan`` hands a group's micro-batch to its ranks: split over them as plain
+data parallelism when every document fits one rank, or, when one does not, to all of them as one stream marked
+by a ``SharedStream`` item, which the group trains block-striped with ring attention.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -18,6 +23,7 @@ from torch.utils.data import Sampler
 
 from sparsebalance_pl.balance import balance_efficiency, imbalance
 from sparsebalance_pl.datamodules.packing import first_fit
+from sparsebalance_pl.datamodules.partition import CapacityError, partition
 from sparsebalance_pl.cost import CostModel
 from sparsebalance_pl.datamodules.planner import CostFn, PlannerConfig, plan_epoch
 from sparsebalance_pl.distributed import rank as process_rank
@@ -63,12 +69,23 @@ class BatchingConfig:
         """Tokens per rank in a global batch's budget: ``tokens_per_rank``, or ``max_tokens`` when unset."""
         return self.tokens_per_rank or self.max_tokens
 
+    def for_group(self, size: int) -> "BatchingConfig":
+        """The batching of one slot of a plan made for context-parallel groups of ``size`` ranks: ``size``
+        times a rank's tokens and budget."""
+        return replace(self, max_tokens=size * self.max_tokens, tokens_per_rank=size * self.rank_budget)
+
 
 
 class PaddingItem(NamedTuple):
     """A document fed only to keep a rank in step with the others: it bears no loss."""
 
     index: int
+
+
+class SharedStream(NamedTuple):
+    """Leads a micro-batch that a context-parallel group of ``size`` ranks trains together as one stream."""
+
+    size: int
 
 
 @dataclass(frozen=True)
@@ -119,6 +136,11 @@ def sparsity_aware_plan(lengths: np.ndarray, cost_fn: CostFn, config: PlannerCon
     ]
 
 
+def _share(micro_batch: list) -> float:
+    """The part of a micro-batch's documents one rank computes: 1 / W of a group's shared stream."""
+    return 1.0 / micro_batch[0].size if micro_batch and isinstance(micro_batch[0], SharedStream) else 1.0
+
+
 def plan_efficiency(plan: EpochPlan) -> float:
     """Predicted balance efficiency (``balance.balance_efficiency``) of a plan, from each step's per-rank costs."""
     return balance_efficiency(step.costs for step in plan)
@@ -128,9 +150,40 @@ def _padding(lengths: np.ndarray) -> PaddingItem:
     return PaddingItem(int(np.argmin(lengths)))
 
 
+def group_plan(plan: EpochPlan, lengths: np.ndarray, costs: np.ndarray, *, group_size: int, rank_tokens: int) -> EpochPlan:
+    """A plan made for context-parallel groups (one slot per group) as the plan of their ranks: each micro-batch
+    of a group is partitioned over its ``group_size`` ranks when every document fits one rank's
+    ``rank_tokens``, and otherwise goes whole to every rank of the group behind a ``SharedStream``. A rank
+    left without documents gets a ``PaddingItem``; every rank keeps the group's number of micro-batches."""
+    if group_size == 1:
+        return plan
+    steps = []
+    for step in plan:
+        ranks: list[list[list]] = [[] for _ in range(len(step.micro_batches) * group_size)]
+        for slot, micro_batches in enumerate(step.micro_batches):
+            for micro_batch in micro_batches:
+                parts = _group_micro_batch(micro_batch, lengths, costs, group_size, rank_tokens)
+                for member, part in enumerate(parts):
+                    ranks[slot * group_size + member].append(part)
+        steps.append(_step(ranks, lengths, costs))
+    return steps
+
+
+def _group_micro_batch(items: list, lengths: np.ndarray, costs: np.ndarray, group_size: int, rank_tokens: int):
+    """The micro-batch of each rank of a group (see ``group_plan``)."""
+    docs = [i for i in items if not isinstance(i, PaddingItem)]
+    if docs and max(lengths[docs]) <= rank_tokens:
+        try:
+            parts = partition(costs[docs], group_size, tokens=lengths[docs], capacity=rank_tokens)
+            return [[docs[j] for j in part] or [_padding(lengths)] for part in parts]
+        except CapacityError:  # no packing on single ranks: the group shares the stream
+            pass
+    return [[SharedStream(group_size), *items] for _ in range(group_size)]
+
+
 def _step(micro_batches: list[list[list]], lengths: np.ndarray, costs: np.ndarray) -> StepPlan:
     def total(values: np.ndarray, per_rank: list[list]) -> float:
-        return float(sum(values[i] for mb in per_rank for i in mb if not isinstance(i, PaddingItem)))
+        return float(sum(values[i] * _share(mb) for mb in per_rank for i in mb if isinstance(i, (int, np.integer))))
 
     return StepPlan(
         micro_batches,
@@ -195,7 +248,9 @@ class SparsityAwareSampler(PlannedBatchSampler):
         cost_model: the run's cost model, read when an epoch is planned: its document costs, and its measured
             ``step_overhead``, which SAB weighs against balance when it cuts a batch short.
         seed: seed of the per-epoch shuffling.
-        num_replicas, rank: data-parallel ranks and this rank (default: from ``torch.distributed``).
+        num_replicas, rank: ranks and this rank (default: from ``torch.distributed``).
+        context_parallel_size: ranks per context-parallel group (dividing ``num_replicas``); the plan is made
+            for the groups and handed to their ranks by ``group_plan``.
     """
 
     def __init__(
@@ -211,6 +266,7 @@ class SparsityAwareSampler(PlannedBatchSampler):
         skip: int = 0,
         planned_costs=None,
         planned_step_overhead: float | None = None,
+        context_parallel_size: int = 1,
     ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.batching, self.cost_model, self.seed = batching, cost_model, seed
@@ -218,6 +274,11 @@ class SparsityAwareSampler(PlannedBatchSampler):
         rank = process_rank() if rank is None else rank
         if not 0 <= rank < self.num_replicas:
             raise ConfigError(f"rank={rank} must lie in [0, num_replicas={self.num_replicas})")
+        if context_parallel_size < 1 or self.num_replicas % context_parallel_size:
+            raise ConfigError(
+                f"context_parallel_size={context_parallel_size} must divide num_replicas={self.num_replicas}"
+            )
+        self.group_size = context_parallel_size
         self.plan_costs: tuple[int, np.ndarray] | None = None  # (epoch, per-document costs it was planned with)
         self.plan_step_overhead = 0.0  # the step overhead that epoch was planned with
         self.planned_efficiency: dict[int, float] = {}
@@ -238,22 +299,25 @@ class SparsityAwareSampler(PlannedBatchSampler):
         overhead = self._saved_overhead.pop(epoch, None)
         overhead = self.step_overhead() if overhead is None else overhead
         self.plan_costs, self.plan_step_overhead = (epoch, costs), overhead
+        slot, slots = self.batching.for_group(self.group_size), self.num_replicas // self.group_size
         if self.batching.method == "first_fit":
-            plan = first_fit_plan(self.lengths, costs, max_tokens=self.batching.max_tokens,
-                                  num_ranks=self.num_replicas, seed=self.seed, epoch=epoch, shuffle=True)
+            plan = first_fit_plan(self.lengths, costs, max_tokens=slot.max_tokens, num_ranks=slots, seed=self.seed,
+                                  epoch=epoch, shuffle=True)
         else:
             config = PlannerConfig(
-                world_size=self.num_replicas,
-                tokens_per_rank=self.batching.rank_budget,
-                capacity=self.batching.max_tokens,
-                micro_batches=self.batching.micro_batches,
-                defer_window=self.batching.defer_window,
+                world_size=slots,
+                tokens_per_rank=slot.rank_budget,
+                capacity=slot.max_tokens,
+                micro_batches=slot.micro_batches,
+                defer_window=slot.defer_window,
                 step_overhead=overhead,
                 seed=self.seed,
             )
-            cost_of_length = dict(zip(self.lengths.tolist(), costs.tolist()))  # costs depend on length alone
+            # costs depend on length alone; a group's ranks share its slot's work
+            cost_of_length = dict(zip(self.lengths.tolist(), (costs / self.group_size).tolist()))
             plan = sparsity_aware_plan(
                 self.lengths, lambda ls: np.array([cost_of_length[int(n)] for n in ls]), config, epoch
             )
+        plan = group_plan(plan, self.lengths, costs, group_size=self.group_size, rank_tokens=self.batching.max_tokens)
         self.planned_efficiency[epoch] = plan_efficiency(plan)
         return plan

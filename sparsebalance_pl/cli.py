@@ -26,6 +26,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from sparsebalance_pl.callbacks import DynamicSparsityTuning
 from sparsebalance_pl.cost.profiler import profile_hardware, training_dtype
+from sparsebalance_pl.context_parallel import context_parallel_groups
 from sparsebalance_pl.convert import convert
 from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
 from sparsebalance_pl.distributed import leave_process_group
@@ -92,6 +93,9 @@ class SparseBalanceCLI(LightningCLI):
                 f"data.evaluation.longbench_max_tokens={data.longbench_max_tokens} plus data.evaluation.max_new_tokens="
                 f"{data.evaluation.max_new_tokens} exceeds the model's max_position_embeddings={longest}"
             )
+        group_size = getattr(self.trainer.strategy, "context_parallel_size", 1)
+        context_parallel_groups(self.trainer.world_size, group_size, self.trainer.num_devices)
+        data.slot_batching(group_size)
         if self.trainer.world_size > 1 and self.trainer._accelerator_connector.use_distributed_sampler:
             raise ConfigError(
                 "trainer.use_distributed_sampler must be false: the data module shards its own batch plan"

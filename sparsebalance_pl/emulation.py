@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import seed_everything
 
 from sparsebalance_pl.callbacks.controller import DSTController
@@ -134,7 +135,7 @@ class EmulatedRanks:
         rank_seconds, round_losses, round_counts, tokens, observations = [0.0] * self.num_ranks, [], [], 0, []
         all_lengths: list[list[list[int]]] = [[] for _ in micro_batches]
         for m in range(rounds):
-            batches = [{k: v.to(device) for k, v in rank[m].items()} for rank in micro_batches]
+            batches = [move_data_to_device(rank[m], device) for rank in micro_batches]
             lengths = [module.document_lengths(b) for b in batches]
             for rank, rank_lengths in enumerate(lengths):
                 all_lengths[rank].append(rank_lengths)
@@ -170,7 +171,7 @@ class EmulatedRanks:
         """One untimed forward and backward whose gradients are dropped: a process's first pays one-time costs
         (lazy initialisation, allocator growth) that no rank of a running job pays. The cost model is left as
         it is: its own ``warmup_steps`` still leave out the first observed micro-batch's times, as in a real run."""
-        loss_sum, _ = self.module({k: v.to(self.module.device) for k, v in batch.items()})
+        loss_sum, _ = self.module(move_data_to_device(batch, self.module.device))
         loss_sum.backward()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -198,7 +199,7 @@ def validation_loss(module: SparseQwen, data: LongContextDataModule) -> float:
     module.eval()
     total, count = 0.0, 0
     for batch in data.val_dataloader():
-        loss_sum, num_tokens = module({k: v.to(module.device) for k, v in batch.items()})
+        loss_sum, num_tokens = module(move_data_to_device(batch, module.device))
         total, count = total + float(loss_sum), count + int(num_tokens)
     module.train(was_training)
     return total / max(count, 1)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import lightning as L
 import numpy as np
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, AttentionContext
@@ -75,10 +76,12 @@ class SparseQwen(L.LightningModule):
     the data module and the DST callback. ``evaluations`` are the test suites ``test`` runs (the data module
     builds them).
 
-    Context parallelism (the strategy's ``context_parallel``): the ranks of a group receive the same training
-    and validation micro-batches, and ``group_share`` gives each its block-striped share of the stream; the attention then runs the ring over the group, and the group's ranks attend with one budget,
-    that of its member with the fewest kept tiles (its slowest rank sets the group's time). Test suites and
-    density calibration run whole streams on each rank.
+    Context parallelism (the strategy's ``context_parallel``): where the plan gives a micro-batch to a whole
+    group (``shared_stream``: it holds a document longer than one rank can), ``group_share`` gives each of the
+    group's ranks its block-striped share of the stream; the attention then runs the ring over the group, and
+    the group's ranks attend with one budget, that of its member with the fewest kept tiles (its slowest rank
+    sets the group's time). Other micro-batches train on single ranks. Test suites and density calibration run
+    whole streams on each rank.
 
     Args:
         model: which Qwen2 (preset, overrides, or a local Hugging Face directory).
@@ -196,17 +199,27 @@ class SparseQwen(L.LightningModule):
         return getattr(strategy, "context_parallel", None) or ContextParallel()
 
     def group_share(self, batch: dict) -> dict:
-        """Under context parallelism, this rank's striped share of a training or validation stream, cut once per
+        """This rank's striped share of a stream the plan gave to its whole context-parallel group, cut once per
         micro-batch (``stripe_packed``); the batch itself otherwise."""
         cp = self.context_parallel
-        if not cp.active:
+        if batch.get("shared_stream", 1) == 1:
             return batch
+        if batch["shared_stream"] != cp.size:
+            raise TrainingError(
+                f"the batch plan shares a stream over {batch['shared_stream']} ranks, but this rank's "
+                f"context-parallel group has {cp.size}: the data module and the strategy disagree"
+            )
         shard = stripe_packed(batch, world_size=cp.size, rank=cp.rank, block_size=self.attention_config.block_size)
         return dict(shard, striped=True)
 
     def document_lengths(self, batch: dict) -> list[int]:
         """Token count of each document of a packed micro-batch (``SparsityTunable``)."""
         return torch.diff(batch["cu_seqlens"]).tolist()
+
+    def stream_share(self, batch: dict) -> float:
+        """The part of the batch's documents this rank computes: 1 / W of a stream its group of W shares
+        (``SparsityTunable``'s optional member)."""
+        return 1.0 / batch.get("shared_stream", 1)
 
     def sparsity_report(self) -> SparsityReport:
         """Densities, recall and attention time of the last micro-batch (dense attention keeps every tile)."""
@@ -246,7 +259,8 @@ class SparseQwen(L.LightningModule):
         how long the attention calls took, gathered from all ranks (one all-gather of a few numbers each)."""
         ctx = self.last_context
         lengths = torch.diff(ctx.cu_seqlens).tolist()
-        observation = observe_step(self.cost_model, lengths, self.sparsity_report())
+        share = 1.0 / ctx.context_parallel.size
+        observation = observe_step(self.cost_model, lengths, self.sparsity_report(), share=share)
         rank = self.global_rank
         self.log("latency/predicted_s", float(observation.predicted[rank]), batch_size=1)
         self.log("latency/measured_s", float(observation.measured[rank]), batch_size=1)
@@ -259,7 +273,7 @@ class SparseQwen(L.LightningModule):
         context-parallel group's ranks share their stream's tokens)."""
         seconds = time.perf_counter() - self._batch_start
         self.log("train/step_s", seconds, batch_size=1)
-        tokens = batch["input_ids"].shape[1] / self.context_parallel.size
+        tokens = batch["input_ids"].shape[1] * self.stream_share(batch)
         tokens_per_s = torch.tensor(tokens / seconds, device=self.device)
         self.log("train/tokens_per_s", tokens_per_s, batch_size=1, sync_dist=True, reduce_fx="sum")
 
@@ -311,7 +325,7 @@ class SparseQwen(L.LightningModule):
         self.eval()  # base budgets, no recall sampling
         for i in range(rank, -(-len(batches) // world) * world, world):
             batch = batches[min(i, len(batches) - 1)]  # a rank short of work repeats one: forwards are collective
-            self({k: v.to(self.device) for k, v in batch.items()})
+            self(move_data_to_device(batch, self.device))
             if i < len(batches):
                 observed.append((self.document_lengths(batch), self.sparsity_report().base_document_density))
         self.train(was_training)
@@ -362,7 +376,7 @@ class SparseQwen(L.LightningModule):
 
     def greedy_next_tokens(self, sequences: list[list[int]]) -> list[int]:
         """Each sequence's greedy next token, from one forward of them all packed into one stream."""
-        batch = {k: v.to(self.device) for k, v in collate_packed([{"tokens": s} for s in sequences]).items()}
+        batch = move_data_to_device(collate_packed([{"tokens": s} for s in sequences]), self.device)
         last = batch["cu_seqlens"][1:].long() - 1
         ctx = self.attention_context(batch["cu_seqlens"])
         return self.net(batch["input_ids"], batch["position_ids"], batch["targets"], ctx, predict_at=last).tolist()

@@ -77,10 +77,12 @@ class SparsityReport:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One rank's training micro-batch: its documents' lengths and what attention did with them."""
+    """One rank's training micro-batch: its documents' lengths, what attention did with them, and the share of
+    the documents' work the rank did (``1 / W`` when a context-parallel group of W ranks shared the stream)."""
 
     lengths: list[int]
     report: SparsityReport
+    share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -154,10 +156,13 @@ class CostModel:
         """How many times slower than predicted ``rank``'s attention runs (1.0 before any measurement)."""
         return math.exp(self.log_speeds[rank]) if rank < self.log_speeds.size else 1.0
 
-    def for_rank(self, rank: int) -> LatencyModel:
-        """The latency model as it holds for ``rank``: its timed terms (attention, selection) scaled by its speed."""
+    def for_rank(self, rank: int, share: float = 1.0) -> LatencyModel:
+        """The latency model as it holds for ``rank``: its timed terms (attention, selection) scaled by its speed,
+        and every term by ``share``, the part of its documents' work the rank does (``1 / W`` of a stream
+        block-striped over a context-parallel group of W ranks: 1/W of every document's rows, tiles and
+        tokens)."""
         calibration = self.latency.calibration
-        log_scales = calibration.log_scales + math.log(self.speed(rank)) * _TIMED
+        log_scales = calibration.log_scales + math.log(self.speed(rank)) * _TIMED + math.log(share)
         return LatencyModel(self.latency.table, replace(calibration, log_scales=log_scales))
 
     def timed_seconds(self, lengths: Sequence[int], density: float) -> float:
@@ -181,7 +186,7 @@ class CostModel:
                 log.warning("rank speeds were learned for %d ranks, this run has %d: they restart",
                             self.log_speeds.size, len(records))
             self.log_speeds = np.zeros(len(records))
-        nominal = np.array([self.timed_seconds(r.lengths, r.report.mean_density) for r in records])
+        nominal = np.array([self.timed_seconds(r.lengths, r.report.mean_density) * r.share for r in records])
         predicted = nominal * np.exp(self.log_speeds)
         measured = np.array([r.report.attention_seconds for r in records], dtype=np.float64)
         valid = np.isfinite(measured) & (measured > 0) & (nominal > 0)
@@ -198,8 +203,8 @@ class CostModel:
         before = calibration.log_scales.copy()
         for rank, record in enumerate(records):
             if valid[rank]:
-                self.latency.observe(record.lengths, record.report.mean_density, measured[rank] / self.speed(rank),
-                                     terms=TIMED_TERMS)
+                seconds = measured[rank] / (self.speed(rank) * record.share)  # the whole documents' time
+                self.latency.observe(record.lengths, record.report.mean_density, seconds, terms=TIMED_TERMS)
             self._observe_density(record.lengths, record.report.base_document_density)
         self._bound_correction(before, speeds_before)
         self.last_step = StepObservation(records, predicted, measured)
@@ -269,7 +274,11 @@ def timed_seconds(model: LatencyModel, lengths: Sequence[int], density: float) -
     return sum(parts[name] for name in TIMED_TERMS)
 
 
-def observe_step(cost_model: CostModel, lengths: Sequence[int], report: SparsityReport, group=None) -> StepObservation:
+def observe_step(
+    cost_model: CostModel, lengths: Sequence[int], report: SparsityReport, group=None, share: float = 1.0
+) -> StepObservation:
     """Gather every rank's record of the training micro-batch just done (one all-gather of a few numbers per
-    rank) and let ``cost_model`` learn from them; call it on every rank after the backward."""
-    return cost_model.observe(gather_objects(StepRecord([int(n) for n in lengths], report), group))
+    rank) and let ``cost_model`` learn from them; call it on every rank after the backward. ``share``: the part
+    of the documents' work this rank did (``1 / W`` of a stream shared by a context-parallel group of W)."""
+    record = StepRecord([int(n) for n in lengths], report, float(share))
+    return cost_model.observe(gather_objects(record, group))

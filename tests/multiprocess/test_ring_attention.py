@@ -8,6 +8,7 @@ one process holding the whole stream, and with the dense fp64 reference.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,3 +101,31 @@ def test_ring_equals_whole_stream_attention(world_size, tmp_path):
             assert all(_relative_error(g, f) <= 1e-12 for g, f in zip(got, flat))
         if name == "empty_rows_fp32":  # head 0, query block 5 and head 3, the last block see nothing
             assert torch.all(got[0][5 * BLOCK : 6 * BLOCK, 0] == 0) and torch.all(got[0][-BLOCK:, 3] == 0)
+
+
+def _late_rank(rank, out_dir):
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from sparsebalance_pl.kernels import sparse_ring_attention
+
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    if rank == 1:  # never joins the ring
+        time.sleep(6)
+        return
+    q, k, v = torch.randn(64, 2, 16), torch.randn(64, 1, 16), torch.randn(64, 1, 16)
+    try:
+        sparse_ring_attention(q, k, v, torch.tensor([0, 128], dtype=torch.int32), block_size=BLOCK, group=group,
+                              label="layer 3")
+    except RuntimeError as err:
+        (Path(out_dir) / "error.txt").write_text(str(err))
+
+
+@pytest.mark.slow
+def test_a_rank_that_does_not_join_the_ring_ends_the_call_naming_rank_layer_and_step(tmp_path):
+    assert run_ranks(_late_rank, str(tmp_path), world_size=2, timeout=60) == {}
+    message = (tmp_path / "error.txt").read_text()
+    assert message.startswith("ring attention (layer 3): rank 0 got no K/V from rank 1 at ring step 0")
+    assert "Timed out" in message  # is_collective_failure: the strategy then stops every rank

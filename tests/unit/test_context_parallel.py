@@ -96,3 +96,60 @@ def test_a_document_longer_than_a_slot_stops_with_one_line():
     dm.eval_config = replace(dm.eval_config, lengths=(8192,))
     with pytest.raises(ConfigError, match=r"evaluation.lengths=\[8192\] exceed data.batching.max_tokens=4096$"):
         dm.slot_batching()
+
+
+def _plan_of_groups(micro_batches, lengths):
+    from sparsebalance_pl.datamodules.sampler import _step
+
+    lengths = np.asarray(lengths)
+    return [_step(micro_batches, lengths, lengths.astype(float))]
+
+
+def test_a_group_shares_only_micro_batches_with_a_document_longer_than_a_rank():
+    from sparsebalance_pl.datamodules.sampler import SharedStream, group_plan
+
+    lengths = np.array([150, 30, 60, 50, 40])
+    # one group slot, two micro-batches: docs 0 and 1 (150 > 100 tokens), then docs 2-4 (each fits a rank)
+    plan = group_plan(_plan_of_groups([[[0, 1], [2, 3, 4]]], lengths), lengths, lengths.astype(float),
+                      group_size=2, rank_tokens=100)
+    ranks = plan[0].micro_batches
+    assert ranks[0][0] == ranks[1][0] == [SharedStream(2), 0, 1]
+    split = [set(ranks[r][1]) for r in range(2)]
+    assert split[0] | split[1] == {2, 3, 4} and not split[0] & split[1]
+    assert all(lengths[list(s)].sum() <= 100 for s in split)
+    shared = 180 / 2  # each rank computes half of the shared stream
+    assert sorted(plan[0].tokens.tolist()) == sorted([shared + lengths[list(s)].sum() for s in split])
+
+
+def test_sampler_with_groups_trains_every_document_once_and_keeps_ranks_in_step():
+    from sparsebalance_pl.datamodules.sampler import PaddingItem, SharedStream, SparsityAwareSampler
+
+    lengths = np.random.default_rng(0).integers(20, 400, 300)
+    samplers = [SparsityAwareSampler(lengths, BatchingConfig(max_tokens=200, defer_window=0), num_replicas=4,
+                                     rank=r, context_parallel_size=2) for r in range(4)]
+    per_rank = [list(s) for s in samplers]
+    assert len({len(mbs) for mbs in per_rank}) == 1
+    seen = []
+    for group in ((0, 1), (2, 3)):
+        for a, b in zip(per_rank[group[0]], per_rank[group[1]]):
+            if a[0] == SharedStream(2):
+                assert a == b  # the group's ranks read one stream
+                seen += [i for i in a[1:] if not isinstance(i, PaddingItem)]
+            else:
+                assert all(isinstance(i, (int, np.integer, PaddingItem)) for i in a + b)
+                assert max(lengths[[i for i in a + b if not isinstance(i, PaddingItem)]], default=0) <= 200
+                seen += [i for i in a + b if not isinstance(i, PaddingItem)]
+    assert sorted(seen) == sorted(set(seen))  # no document twice
+    assert {i for i in range(300) if lengths[i] > 200} <= set(seen)
+    assert any(mbs[0] == SharedStream(2) for mbs in per_rank[0]) and any(mbs[0] != SharedStream(2) for mbs in per_rank[0])
+
+
+def test_collate_reads_the_shared_stream_marker():
+    from sparsebalance_pl.datamodules import PlanItems
+    from sparsebalance_pl.datamodules.sampler import SharedStream
+
+    items = PlanItems([{"tokens": np.arange(1, 6)}, {"tokens": np.arange(1, 4)}], 2)
+    shared = collate_packed([items[SharedStream(2)], items[0], items[1]])
+    alone = collate_packed([items[0], items[1]])
+    assert shared["shared_stream"] == 2 and alone["shared_stream"] == 1
+    assert all(torch.equal(shared[k], alone[k]) for k in ("input_ids", "targets", "position_ids", "cu_seqlens"))

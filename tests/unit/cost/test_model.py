@@ -118,3 +118,17 @@ def test_step_overhead_follows_the_measured_optimiser_time_after_the_first_step(
     restored = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16))
     restored.load_state_dict(cost.state_dict())
     assert restored.step_overhead == pytest.approx(0.2)
+
+
+def test_a_rank_sharing_a_stream_is_predicted_and_learned_at_its_share():
+    cost, truth = _cost(), _cost()
+    halved = cost.for_rank(0, share=0.5).breakdown(LONG, 0.5)
+    whole = cost.for_rank(0).breakdown(LONG, 0.5)
+    assert all(halved[name] == pytest.approx(whole[name] / 2) for name in whole)
+    # Rank 0 does half of a stream shared by two ranks, rank 1 a whole micro-batch of its own: both as predicted,
+    # so neither looks fast or slow, and the table stays calibrated.
+    half = _record(truth, LONG, 0.5, slower=0.5)
+    for _ in range(10):
+        cost.observe([StepRecord(half.lengths, half.report, share=0.5), _record(truth, SHORT, 0.5)])
+    assert cost.speed(0) == pytest.approx(cost.speed(1), rel=1e-6)
+    assert cost.timed_seconds(LONG, 0.5) == pytest.approx(truth.timed_seconds(LONG, 0.5), rel=1e-6)
