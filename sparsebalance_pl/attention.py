@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 
 from sparsebalance_pl.context_parallel import ContextParallel
 from sparsebalance_pl.errors import ConfigError
-from sparsebalance_pl.kernels.selection import LayerBudget
+from sparsebalance_pl.kernels.selection import SELECTION_OPTIONS, LayerBudget, selection_options
 from sparsebalance_pl.timing import AttentionTimer
 
 ATTN_IMPLEMENTATION = "sparsebalance"
@@ -51,6 +51,17 @@ class AttentionConfig:
         kernel_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
         recall_rows: measure each layer's exact recall on this many sampled query rows per training
             micro-batch (0: off; the estimated recall of the selection is always reported).
+        estimate: how the selection estimates each block's attention mass: ``antidiagonal`` (XAttention's
+            stride-tile antidiagonal sums) or ``sampled`` (each antidiagonal product its own query token's
+            score of one sampled key: sees single hot keys; torch on every backend).
+        sink_blocks: always keep this many first blocks of each query block's first document (>= 0).
+        local_blocks: always keep this many causal blocks ending at the diagonal (>= 1: the diagonal alone).
+        recall_probes: exact attention rows of this many seeded tokens per query block calibrate the
+            estimated recall that DST and the logs read (0: off; costs probes x T x D per block and head).
+        per_head_tau: with ``recall_probes``, ``tau`` becomes each head's target exact recall on the probes
+            rather than a threshold on the estimated mass.
+
+    The last five are ``sparsebalance_pl.kernels.selection.SELECTION_OPTIONS``; their defaults are its.
     """
 
     backend: AttentionBackend = "sparse"
@@ -60,6 +71,15 @@ class AttentionConfig:
     max_density: float | None = None
     kernel_backend: KernelBackend = "auto"
     recall_rows: int = 0
+    estimate: str = "antidiagonal"
+    sink_blocks: int = 1
+    local_blocks: int = 1
+    recall_probes: int = 0
+    per_head_tau: bool = False
+
+    def selection_options(self) -> dict:
+        """The keyword options of the selection functions (``SELECTION_OPTIONS``) this config sets."""
+        return {name: getattr(self, name) for name in SELECTION_OPTIONS}
 
     def __post_init__(self) -> None:
         if self.backend not in ("dense", "sparse"):
@@ -83,6 +103,10 @@ class AttentionConfig:
             raise ConfigError(f"attention.max_density={self.max_density} must lie in (0, 1] or be null")
         if self.recall_rows < 0:
             raise ConfigError(f"attention.recall_rows={self.recall_rows} must be >= 0")
+        try:
+            selection_options(**self.selection_options())
+        except ValueError as error:  # its messages start with the option's name
+            raise ConfigError(f"attention.{error}") from None
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -180,7 +204,8 @@ def _sparse_attention(
     mask = ctx.masks.get(layer)
     if mask is None:  # an activation-checkpointing recomputation reuses the mask (and skips the collectives)
         base = (ctx.base_budgets or ctx.budgets)[layer]
-        settings = dict(block_size=cfg.block_size, stride=cfg.stride, scale=scale, backend=cfg.kernel_backend)
+        settings = dict(block_size=cfg.block_size, stride=cfg.stride, scale=scale, backend=cfg.kernel_backend,
+                        **cfg.selection_options())
         if cp.active:
             selection = select_with_budget_striped(
                 q.detach(), k.detach(), ctx.cu_seqlens, ctx.budgets[layer], base, group=cp.group, **settings

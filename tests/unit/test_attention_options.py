@@ -1,0 +1,99 @@
+"""The selection options of ``AttentionConfig`` (estimate, sinks, local window, recall probes, per-head tau) reach
+the selection on both paths (whole stream and context-parallel striped), change what a model's forward selects,
+and bad values stop with one line naming the field."""
+
+import pytest
+import torch
+from main_runner import error_of
+
+from sparsebalance_pl import attention as attention_module
+from sparsebalance_pl import kernels
+from sparsebalance_pl.attention import AttentionConfig, AttentionContext, _sparse_attention
+from sparsebalance_pl.context_parallel import ContextParallel
+from sparsebalance_pl.datamodules.packing import collate_packed
+from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl.kernels.selection import SELECTION_OPTIONS, LayerBudget
+from sparsebalance_pl.model import ModelConfig
+from sparsebalance_pl.module import SparseQwen
+
+TINY = {"num_layers": 2, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}
+OPTIONS = dict(estimate="sampled", sink_blocks=2, local_blocks=3, recall_probes=1, per_head_tau=True)
+
+
+def test_defaults_are_the_selections_own():
+    assert AttentionConfig().selection_options() == SELECTION_OPTIONS
+
+
+def _qkv(tokens: int = 128):
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(tokens, h, 16, generator=gen) for h in (4, 2, 2))
+
+
+@pytest.mark.parametrize("striped", [False, True])
+def test_options_reach_both_selection_calls(monkeypatch, striped):
+    seen = {}
+    real = kernels.select_with_budget
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        kwargs.pop("group", None)
+        return real(*args, **kwargs)  # one rank's striped rows are the whole stream's rows here
+
+    monkeypatch.setattr(kernels, "select_with_budget_striped" if striped else "select_with_budget", recording)
+    monkeypatch.setattr(attention_module, "_ring_attention", lambda q, *args: torch.zeros_like(q))
+    q, k, v = _qkv()
+    cfg = AttentionConfig(block_size=16, stride=4, kernel_backend="torch", **OPTIONS)
+    ctx = AttentionContext(cu_seqlens=torch.tensor([0, 128], dtype=torch.int32), config=cfg,
+                           budgets=[LayerBudget(0.9)], context_parallel=ContextParallel(size=2 if striped else 1))
+    _sparse_attention(q, k, v, 0, ctx, None)
+    assert {name: seen[name] for name in OPTIONS} == OPTIONS
+    assert (seen["block_size"], seen["stride"], seen["backend"]) == (16, 4, "torch")
+    assert ("group" in seen) == striped
+    assert 0 in ctx.masks and 0 in ctx.stats
+
+
+def _forward_stats(**options) -> tuple[list[float], list[float]]:
+    """Per-layer (density, estimated recall) of a tiny model's forward on a packed micro-batch."""
+    torch.manual_seed(0)
+    module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY),
+                        attention=AttentionConfig(block_size=16, stride=4, tau=0.5, kernel_backend="torch", **options))
+    module.configure_model()
+    module.eval()
+    gen = torch.Generator().manual_seed(1)
+    batch = collate_packed([{"tokens": torch.randint(0, 256, (n,), generator=gen).numpy()} for n in (200, 56)])
+    ctx = module.attention_context(batch["cu_seqlens"])
+    with torch.no_grad():
+        module.net.hf.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                            sb_context=ctx)
+    layers = sorted(ctx.stats)
+    return ([float(ctx.stats[i].density) for i in layers], [float(ctx.stats[i].estimated_recall) for i in layers])
+
+
+def test_options_change_the_forwards_selection():
+    density, estimated = _forward_stats()
+    wider, _ = _forward_stats(local_blocks=4, sink_blocks=2)
+    assert all(w > d for w, d in zip(wider, density)), (wider, density)
+    probed_density, probed = _forward_stats(recall_probes=1)
+    assert probed_density == density  # the probes move the estimate, never the mask
+    assert probed != estimated
+    sampled, _ = _forward_stats(estimate="sampled")
+    assert sampled != density
+
+
+@pytest.mark.parametrize(
+    "options, field",
+    [({"estimate": "pooled"}, "attention.estimate"), ({"sink_blocks": -1}, "attention.sink_blocks"),
+     ({"local_blocks": 0}, "attention.local_blocks"), ({"recall_probes": -1}, "attention.recall_probes"),
+     ({"per_head_tau": True}, "attention.per_head_tau")],
+)
+def test_bad_options_name_their_field(options, field):
+    with pytest.raises(ConfigError, match=rf"^{field}"):
+        AttentionConfig(**options)
+
+
+def test_a_bad_option_on_the_command_line_is_named(capsys, monkeypatch):
+    from main_runner import REPO
+
+    monkeypatch.chdir(REPO)
+    err = error_of(capsys, "--model.attention.estimate=pooled")
+    assert "attention.estimate" in err and "sampled" in err, err
