@@ -23,7 +23,9 @@ all streams, with its median over streams beside it.
 
 A variant is ``name`` or ``name:key=value,key=value`` with keys passed to ``rank_blocks`` (``stride``,
 ``estimate``, ``sink_blocks``, ``local_blocks``, ``recall_probes``, ``per_head_tau``: ``SELECTION_OPTIONS``) or ``max_density``/``tau`` (``tau`` replaces
-the --taus value). ``base`` is the default selection.
+the --taus value), or ``late_from``/``late_tau``: layers from ``late_from`` on use ``late_tau`` instead (a
+per-layer ``LayerBudget.tau``, as ``SparseQwen.base_budgets`` can hold; with ``per_head_tau`` it is a per-layer
+recall target). ``base`` is the default selection.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ IMPLEMENTATION = "selection_quality"
 _ROWS = 256  # query rows per chunk of the exact pass (a multiple of every block size used)
 _INT_KEYS = ("stride", "sink_blocks", "local_blocks", "recall_probes")
 _BOOL_KEYS = ("per_head_tau",)
-_FLOAT_KEYS = ("max_density", "tau")
+_FLOAT_KEYS = ("max_density", "tau", "late_tau")
+_LAYER_KEYS = ("late_from",)
 _STR_KEYS = ("estimate",)
 
 
@@ -62,6 +65,8 @@ class Variant:
     rank_kwargs: dict = field(default_factory=dict)
     max_density: float | None = None
     tau: float | None = None
+    late_tau: float | None = None
+    late_from: int | None = None
 
     @classmethod
     def parse(cls, spec: str) -> "Variant":
@@ -77,13 +82,23 @@ class Variant:
                 variant.rank_kwargs[key] = value
             elif key in _FLOAT_KEYS:
                 setattr(variant, key, float(value))
+            elif key in _LAYER_KEYS:
+                setattr(variant, key, int(value))
             else:
                 raise SystemExit(f"variant {spec!r}: unknown key {key!r}")
+        if (variant.late_tau is None) != (variant.late_from is None):
+            raise SystemExit(f"variant {spec!r}: late_tau and late_from go together")
         return variant
+
+    def layer_tau(self, layer: int, tau: float) -> float:
+        """The tau of ``layer`` when the run's tau is ``tau``."""
+        if self.late_from is not None and layer >= self.late_from:
+            return self.late_tau
+        return self.tau if self.tau is not None else tau
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in self.rank_kwargs.items()]
-        parts += [f"{k}={getattr(self, k)}" for k in _FLOAT_KEYS if getattr(self, k) is not None]
+        parts += [f"{k}={getattr(self, k)}" for k in _FLOAT_KEYS + _LAYER_KEYS if getattr(self, k) is not None]
         return ", ".join(parts) or "default"
 
 
@@ -133,7 +148,7 @@ def quality_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     variant = run.variant
     ranking = rank_blocks(q, k, run.cu_seqlens, block_size=run.block_size, scale=scaling, backend="torch",
                           **variant.rank_kwargs)
-    tau = variant.tau if variant.tau is not None else run.tau
+    tau = variant.layer_tau(module.layer_idx, run.tau)
     mask, stats = ranking.select(tau, variant.max_density)
     out, recall = masked_attention(q, k, v, mask, run.cu_seqlens, run.block_size, scaling)
     run.layers[module.layer_idx] = {
