@@ -389,6 +389,8 @@ class SparseQwen(L.LightningModule):
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=1)
         self.log(f"{stage}/tokens", float(tokens), batch_size=1)
         self.log(f"{stage}/documents", float(len(batch["cu_seqlens"]) - 1), batch_size=1)
+        if self.context_parallel.active:  # 1: the group trained this micro-batch as one stream, 0: split over it
+            self.log(f"{stage}/shared_stream", float(batch.get("striped", False)), batch_size=1)
         self.log(f"{stage}/forward_s", time.perf_counter() - start, batch_size=1)
         ctx = self.last_context
         if ctx is not None and ctx.stats:
