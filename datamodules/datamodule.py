@@ -356,14 +356,16 @@ class LongContextDataModule(L.LightningDataModule):
     def calibration_batches(self, min_length: int = 1, per_bin: int = 2) -> list[dict]:
         """Packed micro-batches of training documents across the length range, identical on every rank: up to
         ``per_bin`` documents of each half-octave of length from ``min_length`` up, for the model to measure
-        its attention density by length before the first epoch is planned (``SparseQwen.calibrate_density``)."""
+        its attention density by length before the first epoch is planned (``SparseQwen.calibrate_density``).
+        Only documents one rank holds (``max_tokens``): each rank runs its batches whole, also under context
+        parallelism; longer ones keep the estimator's prior until training measures them."""
         lengths = self.lengths("train")
         order = np.random.default_rng(self.seed).permutation(len(lengths))
-        order = order[lengths[order] >= min_length]
+        order = order[(lengths[order] >= min_length) & (lengths[order] <= self.batching.max_tokens)]
         bins = np.floor(2 * np.log2(lengths[order])).astype(np.int64)
         picked = np.concatenate([order[bins == b][:per_bin] for b in np.unique(bins)] or [order])
         items = self.items("train")
-        packed = first_fit(lengths, picked[np.argsort(-lengths[picked], kind="stable")], self.slot_batching().max_tokens)
+        packed = first_fit(lengths, picked[np.argsort(-lengths[picked], kind="stable")], self.batching.max_tokens)
         return [collate_packed([items[int(i)] for i in batch]) for batch in packed]
 
     def train_dataloader(self) -> DataLoader:
