@@ -4,7 +4,8 @@ Lightning 2.6's ``strategy="fsdp"`` (FSDP1) refuses ``accelerator="cpu"``. ``Mod
 FSDP2 (``fully_shard``) on CPU with gloo and on GPU with NCCL, but its ``"auto"`` sizes mean one data-parallel
 rank per *node* and tensor parallelism inside the node. ``FSDP2Strategy`` makes every process a data-parallel
 rank instead, which is what training with packed micro-batches needs. On the CPU each rank uses its share
-of the node's cores unless ``OMP_NUM_THREADS`` says otherwise.
+of the node's cores unless ``OMP_NUM_THREADS`` says otherwise. ``context_parallel_size`` creates, beside FSDP
+over all ranks, groups of neighbouring ranks that can share one stream (``sparsebalance_pl.context_parallel``).
 
 Every collective waits at most ``timeout`` (Lightning's setting, ``h:m:s``; the default of 30 minutes also
 covers the other ranks waiting while rank 0 builds the dataset in ``prepare_data``). Under gloo a collective
