@@ -3,7 +3,8 @@
 from sparsebalance_pl.datamodules.datamodule import CorpusConfig, EvaluationConfig, LongContextDataModule, PlanItems
 from sparsebalance_pl.datamodules.partition import CapacityError, karmarkar_karp, partition
 from sparsebalance_pl.datamodules.planner import GlobalBatch, PlannerConfig, Segment, plan_epoch
-from sparsebalance_pl.datamodules.sampler import BatchingConfig, PaddingItem, SparsityAwareSampler
+from sparsebalance_pl.datamodules.packing import collate_packed, stripe_packed
+from sparsebalance_pl.datamodules.sampler import BatchingConfig, PaddingItem, SharedStream, SparsityAwareSampler
 
 __all__ = [
     "BatchingConfig",
@@ -16,8 +17,11 @@ __all__ = [
     "PlanItems",
     "PlannerConfig",
     "Segment",
+    "SharedStream",
     "SparsityAwareSampler",
+    "collate_packed",
     "karmarkar_karp",
     "partition",
     "plan_epoch",
+    "stripe_packed",
 ]
