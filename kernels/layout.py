@@ -68,13 +68,16 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def check_block_mask(block_mask: torch.Tensor, num_q_heads: int, num_tokens: int, block_size: int, device) -> None:
-    """block_mask: bool [Hq, ceil(T/B), ceil(T/B)] on ``device``."""
+def check_block_mask(
+    block_mask: torch.Tensor, num_q_heads: int, num_tokens: int, block_size: int, device, rows_of: int = 1
+) -> None:
+    """block_mask: bool [Hq, ceil(T/B), ceil(T/B)] on ``device``; with ``rows_of`` = W, one rank's striped rows
+    of it, [Hq, T/(B W), T/B]."""
     nb = num_blocks(num_tokens, block_size)
-    if block_mask.dtype != torch.bool or tuple(block_mask.shape) != (num_q_heads, nb, nb):
+    if block_mask.dtype != torch.bool or tuple(block_mask.shape) != (num_q_heads, nb // rows_of, nb):
         raise ValueError(
-            f"block_mask must be bool [Hq, ceil(T/B), ceil(T/B)] = [{num_q_heads}, {nb}, {nb}], "
-            f"got {block_mask.dtype} {tuple(block_mask.shape)}"
+            f"block_mask must be bool [Hq, ceil(T/B), ceil(T/B)] = [{num_q_heads}, {nb}, {nb}] (or a rank's striped "
+            f"rows of it, [{num_q_heads}, {nb // rows_of}, {nb}]), got {block_mask.dtype} {tuple(block_mask.shape)}"
         )
     if block_mask.device != device:
         raise ValueError(f"block_mask is on {block_mask.device}, q on {device}")
@@ -212,7 +215,8 @@ class TileLayout:
     ) -> "TileLayout":
         """One step of block-striped ring attention: ``rank``'s query blocks (global blocks rank, rank + W, ...)
         against ``source``'s key blocks, with causality, documents (``doc``, the global token document ids) and
-        ``block_mask`` [Hq, nB, nB] (None: every causal block) in global coordinates.
+        ``block_mask`` [Hq, nB, nB] (None: every causal block) in global coordinates, or only ``rank``'s rows of
+        it [Hq, nB / W, nB].
 
         The backends test causality on stream positions and documents with one ``doc`` array, so the layout's
         stream is the rank's own shard when source == rank (the diagonal blocks need token-level causality),
@@ -225,7 +229,8 @@ class TileLayout:
         causal = k_blocks[None, :] <= q_blocks[:, None]
         kept = causal & (first[q_blocks][:, None] <= last[k_blocks][None, :])
         if block_mask is not None:
-            kept = kept & block_mask[:, q_blocks][:, :, k_blocks]
+            rows = block_mask if block_mask.shape[1] == q_blocks.numel() else block_mask[:, q_blocks]
+            kept = kept & rows[:, :, k_blocks]
         blocked = doc.view(nb, block_size)
         q_doc, k_doc = blocked[q_blocks].flatten(), blocked[k_blocks].flatten()
         stream_doc = q_doc if source == rank else torch.cat([k_doc, q_doc])

@@ -300,7 +300,9 @@ def sparse_ring_attention(
 
     q [T/W, Hq, D], k and v [T/W, Hkv, D]: this rank's ``context_shard`` rows of a stream of T tokens (T a
     multiple of W * block_size); cu_seqlens: the stream's global int32 [docs + 1]; block_mask: the global bool
-    [Hq, T/B, T/B], None for every causal block (dense ring attention from the same code). ``group``: the
+    [Hq, T/B, T/B], or only this rank's rows of it, [Hq, T/(B W), T/B] in the rank's order (``mask[:,
+    striped_blocks(T/B, W, rank)]``: W times less memory to keep for a recomputation), None for every causal
+    block (dense ring attention from the same code). ``group``: the
     context-parallel process group (None: the default group, or a ring of one without a process group).
     Returns this rank's output rows [T/W, Hq, D], differentiable in q, k and v; gathered with
     ``context_unshard`` they equal ``block_sparse_attention`` on the whole stream. Every rank of the group
@@ -327,7 +329,8 @@ def sparse_ring_attention(
     num_tokens = q.shape[0] * world_size
     check_cu_seqlens(cu_seqlens, num_tokens)
     if block_mask is not None:
-        check_block_mask(block_mask, q.shape[1], num_tokens, block_size, q.device)
+        rows_of = world_size if block_mask.shape[1:2] == (q.shape[0] // block_size,) else 1
+        check_block_mask(block_mask, q.shape[1], num_tokens, block_size, q.device, rows_of=rows_of)
     impl = _implementation(resolve_backend(backend, q.device))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     doc = token_doc_ids(cu_seqlens.to(q.device), num_tokens)

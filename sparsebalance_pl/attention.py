@@ -135,7 +135,8 @@ class AttentionContext:
     ``LayerStats.base_document_density`` is counted (the configured ones; default: ``budgets``). With
     ``recall_rows`` > 0 each layer's exact recall is measured on that many sampled query rows, outside the
     timed region (costs rows x T per head; not under context parallelism, where a rank lacks the other
-    ranks' keys). ``context_parallel``: the group sharing the stream, whose ranks must hold equal budgets.
+    ranks' keys). ``context_parallel``: the group sharing the stream, whose ranks must hold equal budgets; its
+    ``masks`` then hold only this rank's striped rows.
     """
 
     cu_seqlens: torch.Tensor
@@ -199,6 +200,7 @@ def _sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx: AttentionContext, scale: float | None
 ) -> torch.Tensor:
     from sparsebalance_pl.kernels import block_sparse_attention, select_with_budget, select_with_budget_striped
+    from sparsebalance_pl.kernels.layout import striped_blocks
 
     cfg, cp = ctx.config, ctx.context_parallel
     mask = ctx.masks.get(layer)
@@ -212,7 +214,10 @@ def _sparse_attention(
             )
         else:
             selection = select_with_budget(q.detach(), k.detach(), ctx.cu_seqlens, ctx.budgets[layer], base, **settings)
-        mask = ctx.masks[layer] = selection.mask
+        mask = selection.mask
+        if cp.active:  # the ring reads only this rank's rows: keep W times less for the recomputation
+            mask = mask[:, striped_blocks(mask.shape[1], cp.size, cp.rank, mask.device)]
+        ctx.masks[layer] = mask
         ctx.stats[layer] = LayerStats(
             density=selection.stats.mean_density(),
             estimated_recall=selection.stats.mean_kept_mass(),
