@@ -34,11 +34,16 @@ class ContextParallel:
         return self.size > 1
 
 
+def check_size(size: int) -> None:
+    """One line naming the setting unless ``size`` is a positive int."""
+    if not isinstance(size, int) or size < 1:
+        raise ConfigError(f"trainer.strategy.init_args.context_parallel_size={size!r} must be a positive int")
+
+
 def context_parallel_groups(world_size: int, size: int, ranks_per_node: int) -> list[list[int]]:
     """The context-parallel groups of ``size`` neighbouring ranks; one line naming the problem when the size
     does not divide the world, or spans nodes unevenly (part of a node, or a node split between groups)."""
-    if not isinstance(size, int) or size < 1:
-        raise ConfigError(f"trainer.strategy.init_args.context_parallel_size={size!r} must be a positive int")
+    check_size(size)
     if world_size % size:
         raise ConfigError(
             f"trainer.strategy.init_args.context_parallel_size={size} does not divide the world of {world_size} ranks"

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from sparsebalance_pl import checkpoints
-from sparsebalance_pl.context_parallel import ContextParallel, context_parallel_groups, create_context_parallel
+from sparsebalance_pl.context_parallel import ContextParallel, check_size, create_context_parallel
 from sparsebalance_pl.distributed import is_collective_failure
 from sparsebalance_pl.errors import TrainingError
 
@@ -63,7 +63,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     ) -> None:
         super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
                          process_group_backend, timeout)
-        context_parallel_groups(context_parallel_size, context_parallel_size, context_parallel_size)  # type and sign
+        check_size(context_parallel_size)
         self.context_parallel_size = context_parallel_size
         self.context_parallel = ContextParallel()
 
