@@ -427,8 +427,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.streams, args.world_sizes, args.reps, args.ring_stream = ["doc8k"], [2, 4, 8], 2, "doc8k"
         args.densities = args.densities[:1]
-    if not (Path(args.model) / "config.json").is_file():
-        p.error(f"--model {args.model!r} is not a local Hugging Face model directory (no config.json)")
     if args.block_size < 16 or args.block_size & (args.block_size - 1):
         p.error(f"--block-size {args.block_size} must be a power of two >= 16")
     if args.stride < 1 or args.stride & (args.stride - 1) or args.stride > args.block_size:
@@ -450,6 +448,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--ring-stream {args.ring_stream!r} is not among --streams {args.streams}")
     if args.max_load <= 0 or args.load_retries < 0 or args.load_wait < 0:
         p.error("--max-load must be > 0, --load-wait and --load-retries >= 0")
+    if not (Path(args.model) / "config.json").is_file():  # last: the settings above need no model to check
+        p.error(f"--model {args.model!r} is not a local Hugging Face model directory (no config.json)")
     return args
 
 

@@ -87,6 +87,8 @@ def test_bad_arguments_fail_in_one_line(capsys):
     assert "\n" not in str(err.value)
     with pytest.raises(SystemExit, match="does not split into 2W"):
         cp.parse_args(["--streams", "doc8k", "--world-sizes", "128"])
+    with pytest.raises(SystemExit, match="is not a local Hugging Face model directory"):
+        cp.parse_args(["--model", "/nonexistent/model"])
 
 
 def test_sinks_held_by_every_rank_count_at_the_own_step():
