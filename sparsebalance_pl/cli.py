@@ -207,7 +207,9 @@ def main(args: list[str] | None = None, run: bool = True) -> SparseBalanceCLI | 
         cause = _named_cause(err)
         if cause is None:
             raise
-        print(f"error: {_last_line(cause)}", file=sys.stderr)
+        # One write per line: the ranks share stderr, and print's separate newline let two ranks' lines run together.
+        sys.stderr.write(f"error: {_last_line(cause)}\n")
+        sys.stderr.flush()
         leave_process_group()  # gloo's threads alive at interpreter exit can abort it (exit code -6 instead of 2)
         sys.exit(2)
     return cli.result if cli.subcommand in COMMANDS else cli
