@@ -15,6 +15,7 @@ of ``COMMANDS``, whose signatures give their settings.
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -209,8 +210,12 @@ def main(args: list[str] | None = None, run: bool = True) -> SparseBalanceCLI | 
             raise
         # One write per line: the ranks share stderr, and print's separate newline let two ranks' lines run together.
         sys.stderr.write(f"error: {_last_line(cause)}\n")
-        sys.stderr.flush()
-        leave_process_group()  # gloo's threads alive at interpreter exit can abort it (exit code -6 instead of 2)
+        if leave_process_group():
+            # A rank of a launched run skips the interpreter's teardown: torch's and gloo's threads still alive
+            # then can abort it ("terminate called without an active exception", exit code -6 instead of 2).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         sys.exit(2)
     return cli.result if cli.subcommand in COMMANDS else cli
 

@@ -80,11 +80,13 @@ def check_ranks_agree(fingerprint: bytes, what: str, group=None) -> None:
         raise DataError(f"ranks disagree on {what} ({ranks})")
 
 
-def leave_process_group() -> None:
+def leave_process_group() -> bool:
     """Destroy this process's default group, if any, before the process exits on an error: a local step, no
-    collective. Torch's and gloo's threads still running when the interpreter shuts down can abort it."""
+    collective. Returns whether there was one."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        return True
+    return False
 
 
 _LOST_COLLECTIVE = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer")
