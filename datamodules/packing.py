@@ -80,15 +80,14 @@ def stripe_packed(batch: dict, *, world_size: int, rank: int, block_size: int) -
     cu_seqlens = batch["cu_seqlens"]
     if padding:
         cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([num_tokens + padding])])
-    pad_values = {"input_ids": 0, "targets": IGNORE_INDEX}
+    padding_document = {  # token 0, positions from 0, no targets
+        "input_ids": torch.zeros(padding), "position_ids": torch.arange(padding),
+        "targets": torch.full((padding,), IGNORE_INDEX),
+    }
     striped = dict(batch, cu_seqlens=cu_seqlens)
-    for key in ("input_ids", "position_ids", "targets"):
+    for key, tail in padding_document.items():
         row = batch[key][0]
-        if key == "position_ids":
-            tail = torch.arange(padding, dtype=row.dtype, device=row.device)
-        else:
-            tail = row.new_full((padding,), pad_values[key])
-        stream = torch.cat([row, tail])
+        stream = torch.cat([row, tail.to(row.device, row.dtype)])
         striped[key] = context_shard(stream, world_size=world_size, rank=rank, block_size=block_size)[None]
     return striped
 
