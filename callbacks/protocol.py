@@ -14,8 +14,9 @@ the cost model on every rank::
 calibrates the cost model its batch planner uses. The callback gets the same cost model with ``connect``.
 
 Optional: ``stream_share(batch) -> float``, the part of a micro-batch's documents this rank computes: ``1 / W``
-when a context-parallel group of W ranks shares the stream (pass the same share to ``observe_step``); 1 when
-the module lacks it.
+when a context-parallel group of W ranks shares the stream (pass the same share to ``observe_step``, and
+the seconds the ring's transfers kept attention waiting as ``SparsityReport.ring_seconds``: ``sparse_ring_attention``
+times them with ``wait_timer``); 1 when the module lacks it.
 """
 
 from __future__ import annotations

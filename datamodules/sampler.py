@@ -287,8 +287,17 @@ class SparsityAwareSampler(PlannedBatchSampler):
         super().__init__(self._plan_epoch, rank=rank, epoch=epoch, skip=skip)
 
     def document_costs(self) -> np.ndarray:
+        """Predicted seconds of each document, summed over the ranks that compute it (token counts without a
+        cost model): a document longer than a rank's ``max_tokens`` is shared by a context-parallel group as
+        one stream, and each of its ranks pays the ring's communication too."""
         lengths = self.lengths.astype(np.float64)
-        return lengths if self.cost_model is None else self.cost_model.document_costs(lengths)
+        if self.cost_model is None:
+            return lengths
+        costs = self.cost_model.document_costs(lengths)
+        shared = lengths > self.batching.max_tokens
+        if self.group_size > 1 and shared.any():
+            costs[shared] = self.cost_model.group_document_costs(lengths[shared], self.group_size)
+        return costs
 
     def step_overhead(self) -> float:
         return 0.0 if self.cost_model is None else self.cost_model.step_overhead

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ from .layout import (
 
 # Tags keep apart the messages that share a link: K/V and travelling dK/dV, on the inner and outer rings.
 _KV_TAG, _GRAD_TAG, _OUTER_KV_TAG, _OUTER_GRAD_TAG = 0, 1, 2, 3
+_WAIT_KEY = ("ring wait", 0)  # waits never overlap: one key serves all
 
 
 def context_shard(x: torch.Tensor, *, world_size: int, rank: int, block_size: int) -> torch.Tensor:
@@ -79,6 +81,15 @@ def context_unshard(shards: Sequence[torch.Tensor], *, block_size: int) -> torch
     return torch.stack(blocks, dim=1).reshape(-1, *shape[1:])
 
 
+class WaitTimer(Protocol):
+    """Times the waits on ring transfers (``sparsebalance_pl.timing.AttentionTimer`` is one): ``start`` and
+    ``stop`` bracket each wait; on CUDA they must record events on the stream that the wait blocks."""
+
+    def start(self, key: tuple[str, int]) -> None: ...
+
+    def stop(self, key: tuple[str, int]) -> None: ...
+
+
 @dataclass
 class _Ring:
     """The group, this rank's place in it as (node, local rank) with ``node_size`` neighbouring ranks per
@@ -91,6 +102,7 @@ class _Ring:
     node_size: int
     layouts: list[TileLayout]
     label: str = ""
+    wait_timer: WaitTimer | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -113,7 +125,7 @@ class _Transfer:
     rank the tensor comes straight back. Holds the sent tensor until the transfer is done."""
 
     def __init__(self, ring: _Ring, tensor: torch.Tensor, tag: int, outer: bool = False) -> None:
-        self.rank, self.sent, self.label = ring.rank, tensor, ring.label
+        self.rank, self.sent, self.label, self.timer = ring.rank, tensor, ring.label, ring.wait_timer
         destination, self.source = ring.link(outer)
         if destination == ring.rank:
             self.received, self.requests = tensor, []
@@ -125,6 +137,8 @@ class _Transfer:
         ]
 
     def wait(self, step: int, what: str) -> torch.Tensor:
+        if self.timer is not None and self.requests:
+            self.timer.start(_WAIT_KEY)
         try:
             for request in self.requests:
                 request.wait()
@@ -133,6 +147,8 @@ class _Transfer:
                 f"ring attention{self.label}: rank {self.rank} got no {what} from rank {self.source} at ring step "
                 f"{step}: {err}"
             ) from err
+        if self.timer is not None and self.requests:
+            self.timer.stop(_WAIT_KEY)
         return self.received
 
 
@@ -295,6 +311,7 @@ def sparse_ring_attention(
     scale: float | None = None,
     node_size: int | None = None,
     label: str | None = None,
+    wait_timer: WaitTimer | None = None,
 ) -> torch.Tensor:
     """``block_sparse_attention`` of a packed stream held block-striped by the ranks of ``group``.
 
@@ -313,7 +330,8 @@ def sparse_ring_attention(
     ``node_size`` neighbouring group ranks and an outer ring over the nodes, each outer transfer hidden
     behind a whole inner ring of compute (the striping stays over the flat group). None: one flat ring.
     ``label`` names the call in the error of a transfer that fails or times out (e.g. ``"layer 3"``), beside
-    the rank, the peer and the ring step.
+    the rank, the peer and the ring step. ``wait_timer`` times every wait on a transfer (the communication the
+    compute did not hide, and waits on slower ranks), forward and backward.
     """
     world_size, rank = group_place(group)
     node_size = world_size if node_size is None else node_size
@@ -334,7 +352,8 @@ def sparse_ring_attention(
     impl = _implementation(resolve_backend(backend, q.device))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     doc = token_doc_ids(cu_seqlens.to(q.device), num_tokens)
-    ring = _Ring(group, world_size, rank, node_size, layouts=[], label=f" ({label})" if label else "")
+    ring = _Ring(group, world_size, rank, node_size, layouts=[], label=f" ({label})" if label else "",
+                 wait_timer=wait_timer)
     ring.layouts.extend(
         TileLayout.build_ring_step(block_mask, doc, q.shape[1], k.shape[1], block_size,
                                    world_size=world_size, rank=rank, source=ring.source(outer, inner))

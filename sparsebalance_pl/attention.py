@@ -136,7 +136,8 @@ class AttentionContext:
     ``recall_rows`` > 0 each layer's exact recall is measured on that many sampled query rows, outside the
     timed region (costs rows x T per head; not under context parallelism, where a rank lacks the other
     ranks' keys). ``context_parallel``: the group sharing the stream, whose ranks must hold equal budgets; its
-    ``masks`` then hold only this rank's striped rows.
+    ``masks`` then hold only this rank's striped rows, and ``ring_timer`` times the ring's waits (a part of
+    ``timer``'s time).
     """
 
     cu_seqlens: torch.Tensor
@@ -144,6 +145,7 @@ class AttentionContext:
     budgets: list[LayerBudget]
     base_budgets: list[LayerBudget] | None = None
     timer: AttentionTimer | None = None
+    ring_timer: AttentionTimer | None = None
     recall_rows: int = 0
     context_parallel: ContextParallel = field(default_factory=ContextParallel)
     masks: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -187,6 +189,7 @@ def _ring_attention(q, k, v, mask, layer: int, ctx: AttentionContext, scale: flo
     return sparse_ring_attention(
         q, k, v, ctx.cu_seqlens, block_size=ctx.config.block_size, group=cp.group, block_mask=mask,
         backend=ctx.config.kernel_backend, scale=scale, node_size=cp.node_size, label=f"layer {layer}",
+        wait_timer=ctx.ring_timer,
     )
 
 

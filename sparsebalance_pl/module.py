@@ -188,6 +188,7 @@ class SparseQwen(L.LightningModule):
             budgets=_group_budgets(budgets, cp) if cp.active and self.training else budgets,
             base_budgets=self.base_budgets,
             timer=AttentionTimer(cu_seqlens.device),
+            ring_timer=AttentionTimer(cu_seqlens.device) if cp.active else None,
             recall_rows=self.attention_config.recall_rows if self.training else 0,
             context_parallel=cp,
         )
@@ -222,12 +223,14 @@ class SparseQwen(L.LightningModule):
         return 1.0 / batch.get("shared_stream", 1)
 
     def sparsity_report(self) -> SparsityReport:
-        """Densities, recall and attention time of the last micro-batch (dense attention keeps every tile)."""
+        """Densities, recall, attention time and ring waits of the last micro-batch (dense attention keeps every
+        tile)."""
         ctx = self.last_context
         docs = len(ctx.cu_seqlens) - 1
+        ring_seconds = 0.0 if ctx.ring_timer is None else ctx.ring_timer.seconds()
         if not ctx.stats:
             dense = [1.0] * self.dims.num_layers
-            return SparsityReport(dense, dense, [1.0] * docs, ctx.timer.seconds())
+            return SparsityReport(dense, dense, [1.0] * docs, ctx.timer.seconds(), ring_seconds=ring_seconds)
         layers = [ctx.stats[i] for i in sorted(ctx.stats)]
         return SparsityReport(
             density=[float(s.density) for s in layers],
@@ -235,6 +238,7 @@ class SparseQwen(L.LightningModule):
             base_document_density=torch.stack([s.base_document_density for s in layers]).mean(0).tolist(),
             attention_seconds=ctx.timer.seconds(),
             recall=ctx.mean_recall(),
+            ring_seconds=ring_seconds,
         )
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,11 +263,16 @@ class SparseQwen(L.LightningModule):
         how long the attention calls took, gathered from all ranks (one all-gather of a few numbers each)."""
         ctx = self.last_context
         lengths = torch.diff(ctx.cu_seqlens).tolist()
-        share = 1.0 / ctx.context_parallel.size
-        observation = observe_step(self.cost_model, lengths, self.sparsity_report(), share=share)
+        group_size = ctx.context_parallel.size
+        ring_predicted = self.cost_model.ring.seconds(sum(lengths), group_size)  # before it learns from this step
+        report = self.sparsity_report()
+        observation = observe_step(self.cost_model, lengths, report, share=1.0 / group_size)
         rank = self.global_rank
         self.log("latency/predicted_s", float(observation.predicted[rank]), batch_size=1)
         self.log("latency/measured_s", float(observation.measured[rank]), batch_size=1)
+        if group_size > 1:
+            self.log("latency/ring_predicted_s", ring_predicted, batch_size=1)
+            self.log("latency/ring_wait_s", report.ring_seconds, batch_size=1)
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()

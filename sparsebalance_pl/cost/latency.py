@@ -8,6 +8,7 @@ layers, forward and backward, plus LM head and loss::
       + s_att * L * sum_i c(n_i, rho_i)       "attention": block-sparse attention core, one document
       + s_sel * L * e(N)                      "selection": block selection (independent of density)
       + s_fix * (L*d + d0)                    "overhead":  fixed per layer and per micro-batch
+      + ring(N)                               "ring":      a context-parallel rank's waits (``cost.ring``)
 
 with N = sum_i n_i tokens and L layers. c is a profiled table over (length, density), interpolated
 log-log in length and linearly in density (attention is close to linear in kept tiles); e a profiled
@@ -24,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -270,12 +271,20 @@ class LatencyModel:
 
     ``doc_lengths`` is a sequence of document lengths in tokens; ``density`` the kept fraction of each
     document's causal blocks, a scalar for all documents or one value per document, clipped to
-    [``min_density``, 1].
+    [``min_density``, 1]. ``ring``: for a rank of a context-parallel group, the seconds it waits on the
+    group's ring over a micro-batch of N stream tokens (``CostModel.for_rank``); it adds the term ``"ring"``,
+    which no density changes.
     """
 
-    def __init__(self, table: LatencyTable, calibration: OnlineCalibration | None = None) -> None:
+    def __init__(
+        self,
+        table: LatencyTable,
+        calibration: OnlineCalibration | None = None,
+        ring: Callable[[float], float] | None = None,
+    ) -> None:
         self.table = table
         self.calibration = calibration or OnlineCalibration()
+        self.ring = ring
         self._log_lengths = np.log(table.lengths)
         self._log_attention = np.log(table.attention)
         self._log_selection = np.log(table.selection)
@@ -304,11 +313,15 @@ class LatencyModel:
 
     def predict(self, doc_lengths: ArrayLike, density: ArrayLike) -> float:
         """Forward+backward seconds of the whole model on one micro-batch (all layers, head and loss)."""
-        return float(self._raw_terms(doc_lengths, density) @ self.calibration.scales)
+        return float(self._raw_terms(doc_lengths, density) @ self.calibration.scales) + self._ring(doc_lengths)
 
     def breakdown(self, doc_lengths: ArrayLike, density: ArrayLike) -> dict[str, float]:
-        """Predicted seconds per term (see ``TERMS``), for logging beside measured times."""
-        return dict(zip(TERMS, (self._raw_terms(doc_lengths, density) * self.calibration.scales).tolist()))
+        """Predicted seconds per term (see ``TERMS``, and ``"ring"``), for logging beside measured times."""
+        parts = dict(zip(TERMS, (self._raw_terms(doc_lengths, density) * self.calibration.scales).tolist()))
+        return {**parts, "ring": self._ring(doc_lengths)}
+
+    def _ring(self, doc_lengths: ArrayLike) -> float:
+        return 0.0 if self.ring is None else float(self.ring(float(_as_lengths(doc_lengths).sum())))
 
     def density_for(self, doc_lengths: ArrayLike, seconds: float, *, clip: bool = False) -> float:
         """The largest density (same for all documents) whose predicted time is at most ``seconds``.

@@ -8,7 +8,9 @@ those predictions come from:
 - the density estimator: each document's attention density at the base budget, by length (None for dense
   attention, where every document is dense);
 - per-rank speeds: how much slower or faster a rank's attention runs than predicted for the same work
-  (another GPU model, a throttled or shared device).
+  (another GPU model, a throttled or shared device);
+- the ring's communication (``RingCost``): what a rank of a context-parallel group waits for on the ring
+  beyond its own compute.
 
 It is built once per run and handed explicitly to whoever predicts with it (the data module's ``connect``, the
 DST callback's ``connect``). It learns from every training step: each rank's ``StepRecord`` (its documents,
@@ -30,6 +32,7 @@ import numpy as np
 from sparsebalance_pl.balance import imbalance
 from sparsebalance_pl.cost.density import DensityEstimator
 from sparsebalance_pl.cost.latency import TERMS, LatencyModel
+from sparsebalance_pl.cost.ring import RingCost
 from sparsebalance_pl.distributed import gather_objects
 
 log = logging.getLogger(__name__)
@@ -56,8 +59,10 @@ class SparsityReport:
         base_document_density: per document of the micro-batch, the density (mean over layers) it would have
             had at the base budgets, from the same ranking: what predicts the cost of later batches.
         attention_seconds: measured seconds of selection + attention core (``TIMED_TERMS``), forward and
-            backward, free of collectives (``sparsebalance_pl.timing.AttentionTimer``).
+            backward, free of collectives (``sparsebalance_pl.timing.AttentionTimer``) but for the ring's.
         recall: exact recall on sampled rows (mean over layers) when the module measures it, else None.
+        ring_seconds: the part of ``attention_seconds`` spent waiting on ring transfers under context
+            parallelism (0 without): what the compute did not hide, and waits on a slower group member.
     """
 
     density: list[float]
@@ -65,6 +70,7 @@ class SparsityReport:
     base_document_density: list[float]
     attention_seconds: float
     recall: float | None = None
+    ring_seconds: float = 0.0
 
     @property
     def mean_density(self) -> float:
@@ -99,13 +105,19 @@ class StepObservation:
         return imbalance(self.measured)
 
 
+def _group_size(share: float) -> int:
+    """W of a rank that did ``share`` = 1 / W of its documents' work."""
+    return max(1, round(1.0 / share))
+
+
 class CostModel:
     """Predicted seconds of documents and micro-batches, corrected from every measured step (module docstring).
 
     ``error`` is the typical relative error (as |log(measured / predicted)|) of its recent predictions of the
     ranks' attention times, made before each step: what DST takes for the noise of its predictions.
     ``step_overhead`` is the measured seconds a step costs beyond its micro-batches (the optimiser step), which
-    sparsity-aware batching weighs against balance.
+    sparsity-aware batching weighs against balance. ``ring`` is the ring's communication under context
+    parallelism (``RingCost``, built from the latency table's model dimensions and dtype).
 
     Args:
         latency: the latency model (``LatencyModel.from_file``, the profiler, or ``LatencyModel.analytic``).
@@ -131,6 +143,7 @@ class CostModel:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
         self.latency = latency
         self.density = density
+        self.ring = RingCost.for_model(latency.table.meta.dims, latency.table.meta.dtype)
         self.speed_smoothing = speed_smoothing
         self.warmup_left = warmup_steps  # per process: not checkpointed, a resumed process warms up again
         self.log_speeds = np.zeros(0)
@@ -160,23 +173,34 @@ class CostModel:
         """The latency model as it holds for ``rank``: its timed terms (attention, selection) scaled by its speed,
         and every term by ``share``, the part of its documents' work the rank does (``1 / W`` of a stream
         block-striped over a context-parallel group of W ranks: 1/W of every document's rows, tiles and
-        tokens)."""
+        tokens), plus, in a group, the ring's communication (the term ``"ring"``)."""
         calibration = self.latency.calibration
         log_scales = calibration.log_scales + math.log(self.speed(rank)) * _TIMED + math.log(share)
-        return LatencyModel(self.latency.table, replace(calibration, log_scales=log_scales))
+        group_size = _group_size(share)
+        ring = (lambda tokens: self.ring.seconds(tokens, group_size)) if group_size > 1 else None
+        return LatencyModel(self.latency.table, replace(calibration, log_scales=log_scales), ring=ring)
+
+    def group_document_costs(self, lengths: Sequence[int] | np.ndarray, group_size: int) -> np.ndarray:
+        """Predicted seconds of each document shared as one stream by a context-parallel group of ``group_size``
+        ranks, summed over the ranks: its work (1 / W on each rank) plus every rank's wait on the ring for its
+        tokens (each document counted as if its stream held it alone). Over W, a rank's time."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        ring = np.array([self.ring.seconds(n, group_size) for n in lengths])
+        return self.document_costs(lengths) + group_size * ring
 
     def timed_seconds(self, lengths: Sequence[int], density: float) -> float:
-        """Predicted seconds of the timed terms (what ``SparsityReport.attention_seconds`` measures) at the
-        nominal speed."""
+        """Predicted seconds of the timed terms (what ``SparsityReport.attention_seconds`` measures but for the
+        ring's waits) at the nominal speed."""
         return timed_seconds(self.latency, lengths, density)
 
     # ------------------------------------------------------------------------------------------- learning
     def observe(self, records: Sequence[StepRecord]) -> StepObservation:
         """Learn from one step's records, one per rank in rank order (the same list on every rank).
 
-        Each rank's speed follows its measured over predicted attention time relative to the other ranks';
-        the latency model is calibrated on each rank's time at the nominal speed (a term's scale and a rank's
-        speed together moving by at most ``MAX_STEP_CORRECTION`` per step); the density estimator learns each
+        Each rank's speed follows its measured over predicted attention compute (its time less its ring waits)
+        relative to the other ranks'; the latency model is calibrated on each rank's compute at the nominal
+        speed (a term's scale and a rank's speed together moving by at most ``MAX_STEP_CORRECTION`` per step);
+        the ring's cost learns from each context-parallel group's least wait; the density estimator learns each
         document's density at the base budget; ``error`` follows how far the predictions made before this step
         were off. Times of the first ``warmup_steps`` calls are left out.
         """
@@ -187,9 +211,11 @@ class CostModel:
                             self.log_speeds.size, len(records))
             self.log_speeds = np.zeros(len(records))
         nominal = np.array([self.timed_seconds(r.lengths, r.report.mean_density) * r.share for r in records])
-        predicted = nominal * np.exp(self.log_speeds)
+        ring = np.array([self.ring.seconds(sum(r.lengths), _group_size(r.share)) for r in records])
+        predicted = nominal * np.exp(self.log_speeds) + ring
         measured = np.array([r.report.attention_seconds for r in records], dtype=np.float64)
-        valid = np.isfinite(measured) & (measured > 0) & (nominal > 0)
+        compute = measured - np.array([r.report.ring_seconds for r in records], dtype=np.float64)
+        valid = np.isfinite(compute) & (compute > 0) & (nominal > 0)
         if self.warmup_left > 0:
             self.warmup_left -= 1
             valid[:] = False
@@ -197,18 +223,31 @@ class CostModel:
             self._track_error(np.abs(np.log(measured[valid] / predicted[valid])))
         speeds_before = self.log_speeds.copy()
         if valid.all():
-            relative = np.log(measured / nominal)
+            relative = np.log(compute / nominal)
             self.log_speeds += self.speed_smoothing * ((relative - relative.mean()) - self.log_speeds)
         calibration = self.latency.calibration
         before = calibration.log_scales.copy()
         for rank, record in enumerate(records):
             if valid[rank]:
-                seconds = measured[rank] / (self.speed(rank) * record.share)  # the whole documents' time
+                seconds = compute[rank] / (self.speed(rank) * record.share)  # the whole documents' time
                 self.latency.observe(record.lengths, record.report.mean_density, seconds, terms=TIMED_TERMS)
             self._observe_density(record.lengths, record.report.base_document_density)
         self._bound_correction(before, speeds_before)
+        if valid.all():
+            self._observe_ring(records)
         self.last_step = StepObservation(records, predicted, measured)
         return self.last_step
+
+    def _observe_ring(self, records: Sequence[StepRecord]) -> None:
+        """Each context-parallel group (W neighbouring ranks that each did 1 / W) teaches the ring's cost its
+        least wait: the one rank that waited on no slower member waited on communication alone."""
+        for first in range(len(records)):
+            size = _group_size(records[first].share)
+            if size == 1 or first % size:
+                continue
+            group = records[first : first + size]
+            if len(group) == size and all(r.share == group[0].share and r.lengths == group[0].lengths for r in group):
+                self.ring.observe(sum(group[0].lengths), size, min(r.report.ring_seconds for r in group))
 
     def _bound_correction(self, scales_before: np.ndarray, speeds_before: np.ndarray) -> None:
         """No rank's timed terms move by more than ``MAX_STEP_CORRECTION`` in one step, a term's scale and the
@@ -256,6 +295,7 @@ class CostModel:
             "error": self.error,
             "steps_observed": self.steps_observed,
             "step_overhead": self.step_overhead,
+            "ring": self.ring.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -266,12 +306,14 @@ class CostModel:
         self.error = float(state.get("error", UNCALIBRATED_ERROR))
         self.steps_observed = int(state.get("steps_observed", 0))
         self.step_overhead = float(state.get("step_overhead", 0.0))
+        self.ring.load_state_dict(state.get("ring", {}))
 
 
 def timed_seconds(model: LatencyModel, lengths: Sequence[int], density: float) -> float:
-    """``model``'s predicted seconds of the timed terms (``TIMED_TERMS``) of a micro-batch."""
+    """``model``'s predicted seconds of the timed terms (``TIMED_TERMS``, and the ring's waits of a rank of a
+    context-parallel group) of a micro-batch: what ``SparsityReport.attention_seconds`` measures."""
     parts = model.breakdown(lengths, density)
-    return sum(parts[name] for name in TIMED_TERMS)
+    return sum(parts[name] for name in (*TIMED_TERMS, "ring"))
 
 
 def observe_step(

@@ -8,6 +8,7 @@ one process holding the whole stream, and with the dense fp64 reference.
 """
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from sparsebalance_pl.kernels import (
     reference_block_sparse_attention,
 )
 from sparsebalance_pl.kernels.layout import forced_tiles, striped_blocks, token_doc_ids
+from sparsebalance_pl.timing import AttentionTimer
 
 BLOCK = 16
 # name: (tokens, dtype, backend, mask kind, ranks per node (None: flat ring), relative error allowed against
@@ -57,6 +59,16 @@ def _stream(name):
     return q, k, v, grad, cu, mask
 
 
+class _CountingTimer(AttentionTimer):
+    def __init__(self, device):
+        super().__init__(device)
+        self.count = 0
+
+    def start(self, key):
+        self.count += 1
+        super().start(key)
+
+
 def _ring_rank(rank, world_size, out_dir):
     import torch.distributed as dist
 
@@ -73,8 +85,12 @@ def _ring_rank(rank, world_size, out_dir):
         results[name] = (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
         if name == "random_fp64" and node_size is None:  # only this rank's rows of the mask: the same result
             rows = mask[:, striped_blocks(mask.shape[1], world_size, rank)]
-            out = sparse_ring_attention(q, k, v, cu, block_size=BLOCK, block_mask=rows, backend=backend)
+            waits = _CountingTimer(torch.device("cpu"))
+            start = time.perf_counter()
+            out = sparse_ring_attention(q, k, v, cu, block_size=BLOCK, block_mask=rows, backend=backend,
+                                        wait_timer=waits)
             results["own_rows"] = (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
+            results["waits"] = (waits.count, waits.seconds(), time.perf_counter() - start)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
@@ -88,6 +104,9 @@ def test_ring_equals_whole_stream_attention(world_size, tmp_path):
     assert run_ranks(_ring_rank, world_size, str(tmp_path), world_size=world_size, timeout=300) == {}
     shards = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
     assert all(torch.equal(a, b) for shard in shards for a, b in zip(shard["own_rows"], shard["random_fp64"]))
+    for shard in shards:  # waits: W - 1 for K/V forward, W - 1 for K/V and W for dK/dV backward; part of the call
+        count, waited, call = shard["waits"]
+        assert count == 3 * world_size - 2 and 0 < waited < call
     for name, (tokens, dtype, backend, _, _, tolerance) in CASES.items():
         got = [context_unshard([s[name][i] for s in shards], block_size=BLOCK) for i in range(4)]
         q, k, v, grad, cu, mask = _stream(name)

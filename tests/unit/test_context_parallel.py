@@ -144,6 +144,21 @@ def test_sampler_with_groups_trains_every_document_once_and_keeps_ranks_in_step(
     assert any(mbs[0] == SharedStream(2) for mbs in per_rank[0]) and any(mbs[0] != SharedStream(2) for mbs in per_rank[0])
 
 
+def test_a_shared_document_is_priced_with_the_ring_s_communication():
+    from sparsebalance_pl.cost import CostModel, LatencyModel
+    from sparsebalance_pl.datamodules.sampler import SparsityAwareSampler
+    from sparsebalance_pl.model import PRESETS
+
+    cost = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16))
+    cost.ring.observe(4096, 2, 0.25)  # a measured wait: the ring's cost is now 0.25 s for a 4K stream
+    lengths = np.array([100, 1000, 4096])
+    sampler = SparsityAwareSampler(lengths, BatchingConfig(max_tokens=2048, defer_window=0), cost_model=cost,
+                                   num_replicas=2, rank=0, context_parallel_size=2)
+    alone = cost.document_costs(lengths)
+    assert sampler.document_costs()[:2] == pytest.approx(alone[:2])  # documents one rank holds: no ring
+    assert sampler.document_costs()[2] == pytest.approx(alone[2] + 2 * 0.25)  # every member waits on the ring
+
+
 def test_collate_reads_the_shared_stream_marker():
     from sparsebalance_pl.datamodules import PlanItems
     from sparsebalance_pl.datamodules.sampler import SharedStream

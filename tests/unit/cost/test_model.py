@@ -124,7 +124,9 @@ def test_a_rank_sharing_a_stream_is_predicted_and_learned_at_its_share():
     cost, truth = _cost(), _cost()
     halved = cost.for_rank(0, share=0.5).breakdown(LONG, 0.5)
     whole = cost.for_rank(0).breakdown(LONG, 0.5)
-    assert all(halved[name] == pytest.approx(whole[name] / 2) for name in whole)
+    assert all(halved[name] == pytest.approx(whole[name] / 2) for name in whole if name != "ring")
+    assert whole["ring"] == 0.0 and cost.ring.seconds(LONG[0], 2) > 0
+    assert halved["ring"] == pytest.approx(cost.ring.seconds(LONG[0], 2))
     # Rank 0 does half of a stream shared by two ranks, rank 1 a whole micro-batch of its own: both as predicted,
     # so neither looks fast or slow, and the table stays calibrated.
     half = _record(truth, LONG, 0.5, slower=0.5)
@@ -132,3 +134,28 @@ def test_a_rank_sharing_a_stream_is_predicted_and_learned_at_its_share():
         cost.observe([StepRecord(half.lengths, half.report, share=0.5), _record(truth, SHORT, 0.5)])
     assert cost.speed(0) == pytest.approx(cost.speed(1), rel=1e-6)
     assert cost.timed_seconds(LONG, 0.5) == pytest.approx(truth.timed_seconds(LONG, 0.5), rel=1e-6)
+
+
+def _shared(cost: CostModel, lengths: list[int], density: float, wait: float) -> StepRecord:
+    """A rank's half of a stream shared by two: its compute as ``cost`` predicts, plus ``wait`` seconds on the ring."""
+    compute = cost.timed_seconds(lengths, density) / 2
+    report = SparsityReport([density] * 4, [0.9] * 4, [density] * len(lengths), compute + wait, ring_seconds=wait)
+    return StepRecord(lengths, report, share=0.5)
+
+
+def test_ring_waits_teach_the_ring_cost_and_not_the_ranks_speeds():
+    cost, truth = _cost(), _cost()
+    # Rank 1 waits longer: on the transfers, and then on rank 0 (a slower member's compute is not communication).
+    for _ in range(6):
+        cost.observe([_shared(truth, LONG, 0.5, wait=0.3), _shared(truth, LONG, 0.5, wait=0.45)])
+    assert cost.speed(0) == pytest.approx(cost.speed(1), rel=1e-6)
+    assert cost.timed_seconds(LONG, 0.5) == pytest.approx(truth.timed_seconds(LONG, 0.5), rel=1e-6)
+    assert cost.ring.seconds(LONG[0], 2) == pytest.approx(0.3, rel=1e-6)  # the group's least wait
+    rank = cost.for_rank(0, share=0.5)
+    assert rank.predict(LONG, 0.5) - truth.for_rank(0, share=0.5).predict(LONG, 0.5) == pytest.approx(0.3 - truth.ring.seconds(LONG[0], 2))
+    assert cost.last_step.predicted[0] == pytest.approx(cost.last_step.measured[0], rel=1e-6)
+    # The planner's price of a shared document: the group's summed work plus every member's wait.
+    assert cost.group_document_costs(LONG, 2)[0] == pytest.approx(cost.document_costs(LONG)[0] + 2 * 0.3)
+    twin = _cost()
+    twin.load_state_dict(json.loads(json.dumps(cost.state_dict())))
+    assert twin.ring.seconds(LONG[0], 2) == pytest.approx(0.3)
