@@ -143,17 +143,19 @@ class EmulatedRanks:
             # Lightning divides each micro-batch's loss by the accumulation; the ranks by the global token count.
             round_tokens = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in batches)
             scale = 1.0 / (max(round_tokens, 1) * rounds)
-            records, round_loss = [], 0.0
+            records, round_seconds, round_loss = [], [], 0.0
             for rank, batch in enumerate(batches):
                 module.layer_budgets = decision.ranks[rank].budgets if decision else list(module.base_budgets)
                 seconds, rank_loss = _timed(device, lambda: _forward_backward(module, batch, scale))
                 rank_seconds[rank] += seconds
+                round_seconds.append(seconds)
                 round_loss += rank_loss
                 tokens += batch["input_ids"].shape[-1]
                 records.append(StepRecord(lengths[rank], module.sparsity_report()))
             round_losses.append(round_loss / max(round_tokens, 1))
             round_counts.append(round_tokens)
-            observation = module.cost_model.observe(records)
+            # alone on the device, a rank's whole forward and backward is free of collectives: it teaches every term
+            observation = module.cost_model.observe(records, whole_seconds=round_seconds)
             if self.controller is not None:
                 self.controller.learn(observation)
             observations.append(observation)

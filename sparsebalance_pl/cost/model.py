@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 #: The latency-model terms that ``SparsityReport.attention_seconds`` covers: block selection + attention core.
 TIMED_TERMS = ("attention", "selection")
 _TIMED = np.array([name in TIMED_TERMS for name in TERMS], dtype=np.float64)
+#: The terms attention timing leaves out (projections, MLP, head, fixed costs): learned only where a rank's whole
+#: forward and backward is timed free of collectives (``observe``'s ``whole_seconds``).
+UNTIMED_TERMS = tuple(name for name in TERMS if name not in TIMED_TERMS)
 #: ``CostModel.error`` before any step was measured: predictions may be off by a factor e (the analytic prior
 #: was off by a median 60% and up to 10x on modules it was not made for).
 UNCALIBRATED_ERROR = 1.0
@@ -194,7 +197,7 @@ class CostModel:
         return timed_seconds(self.latency, lengths, density)
 
     # ------------------------------------------------------------------------------------------- learning
-    def observe(self, records: Sequence[StepRecord]) -> StepObservation:
+    def observe(self, records: Sequence[StepRecord], whole_seconds: Sequence[float] | None = None) -> StepObservation:
         """Learn from one step's records, one per rank in rank order (the same list on every rank).
 
         Each rank's speed follows its measured over predicted attention compute (its time less its ring waits)
@@ -203,6 +206,10 @@ class CostModel:
         the ring's cost learns from each context-parallel group's least wait; the density estimator learns each
         document's density at the base budget; ``error`` follows how far the predictions made before this step
         were off. Times of the first ``warmup_steps`` calls are left out.
+
+        ``whole_seconds``: each rank's whole forward and backward, where it is timed free of collectives
+        (emulated ranks run one after another; under FSDP a fast rank's time includes waiting for the slowest,
+        so a real run passes None): the time beyond the attention calls teaches ``UNTIMED_TERMS`` too.
         """
         records = list(records)
         if len(records) != self.log_speeds.size:
@@ -231,6 +238,9 @@ class CostModel:
             if valid[rank]:
                 seconds = compute[rank] / (self.speed(rank) * record.share)  # the whole documents' time
                 self.latency.observe(record.lengths, record.report.mean_density, seconds, terms=TIMED_TERMS)
+                rest = math.nan if whole_seconds is None else (whole_seconds[rank] - measured[rank]) / record.share
+                if rest > 0 and math.isfinite(rest):
+                    self.latency.observe(record.lengths, record.report.mean_density, rest, terms=UNTIMED_TERMS)
             self._observe_density(record.lengths, record.report.base_document_density)
         self._bound_correction(before, speeds_before)
         if valid.all():

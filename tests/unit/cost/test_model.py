@@ -159,3 +159,22 @@ def test_ring_waits_teach_the_ring_cost_and_not_the_ranks_speeds():
     twin = _cost()
     twin.load_state_dict(json.loads(json.dumps(cost.state_dict())))
     assert twin.ring.seconds(LONG[0], 2) == pytest.approx(0.3)
+
+
+def test_whole_rank_times_teach_the_terms_attention_timing_leaves_out():
+    """Emulated ranks time each rank's whole forward and backward alone: with those, a table whose per-token
+    terms are off by 2x is corrected; from attention times alone it cannot be (they do not cover those terms)."""
+    truth = CostModel(LatencyModel(_cost().latency.table.scaled([2.0, 1.0, 1.0, 2.0])))
+    batches = [(LONG, 0.3), (SHORT, 0.5), ([2048, 1024], 0.4), (LONG, 0.6)] * 3
+    taught, timed_only = _cost(), _cost()
+    for lengths, density in batches:
+        records = [_record(truth, lengths, density), _record(truth, SHORT, density)]
+        whole = [truth.latency.predict(r.lengths, density) for r in records]
+        taught.observe(records, whole_seconds=whole)
+        timed_only.observe(records)
+
+    def error(cost):
+        return max(abs(cost.latency.predict(ls, d) / truth.latency.predict(ls, d) - 1) for ls, d in batches)
+
+    assert error(taught) < 0.05 < 0.3 < error(timed_only)
+    assert taught.timed_seconds(LONG, 0.3) == pytest.approx(truth.timed_seconds(LONG, 0.3), rel=0.05)
