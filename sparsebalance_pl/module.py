@@ -270,7 +270,7 @@ class SparseQwen(L.LightningModule):
         rank = self.global_rank
         self.log("latency/predicted_s", float(observation.predicted[rank]), batch_size=1)
         self.log("latency/measured_s", float(observation.measured[rank]), batch_size=1)
-        if group_size > 1:
+        if self.context_parallel.size > 1:  # every step (0 when not shared): Lightning repeats a value not re-logged
             self.log("latency/ring_predicted_s", ring_predicted, batch_size=1)
             self.log("latency/ring_wait_s", report.ring_seconds, batch_size=1)
 

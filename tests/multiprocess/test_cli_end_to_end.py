@@ -57,9 +57,10 @@ def test_context_parallel_overlay_trains_documents_longer_than_a_rank(tmp_path):
     assert max(shares) <= 512  # no rank holds more than its max_tokens
     assert 0.0 in shared and 1.0 in shared  # documents of up to 512 tokens split over the ranks, longer ones shared
     assert losses[-1] < losses[0]
-    waits = [float(r["latency/ring_wait_s"]) for r in rows if r.get("latency/ring_wait_s")]
-    ring = [float(r["latency/ring_predicted_s"]) for r in rows if r.get("latency/ring_predicted_s")]
-    assert waits and len(ring) == len(waits) and all(w >= 0 for w in waits) and all(p > 0 for p in ring)
+    ring = [(float(r["train/shared_stream"]), float(r["latency/ring_predicted_s"]), float(r["latency/ring_wait_s"]))
+            for r in rows if r.get("latency/ring_wait_s")]
+    assert all((p > 0) == (w > 0) == (s == 1.0) for s, p, w in ring)  # waits and their price on shared steps only
+    assert {s for s, _, _ in ring} == {0.0, 1.0}
 
 
 def test_a_context_parallel_size_that_does_not_divide_the_world_stops_with_one_line(tmp_path):
