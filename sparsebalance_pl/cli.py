@@ -155,6 +155,7 @@ def profile(
         dtype=training_dtype(trainer.precision, device),
         block_size=model.attention_config.block_size,
         stride=model.attention_config.stride,
+        selection=model.attention_config.selection_options(),
         quick=not full,
         max_length=data.batching.max_tokens,
         output=output,

@@ -166,6 +166,7 @@ class SparseQwen(L.LightningModule):
         settings = dict(
             device=device, dtype=training_dtype(self.trainer.precision, device), block_size=cfg.block_size,
             stride=cfg.stride, max_length=self.dims.max_position_embeddings, progress=False,
+            selection=cfg.selection_options(),
         )
         if self.latency_profile and self.trainer.world_size > 1:
             if self.trainer.is_global_zero:
@@ -176,7 +177,8 @@ class SparseQwen(L.LightningModule):
 
     def _analytic_latency_model(self) -> LatencyModel:
         cfg = self.attention_config
-        return LatencyModel.analytic(self.dims, block_size=cfg.block_size, stride=cfg.stride)
+        return LatencyModel.analytic(self.dims, block_size=cfg.block_size, stride=cfg.stride,
+                                     selection=cfg.selection_options())
 
     def attention_context(self, cu_seqlens: torch.Tensor, striped: bool = False) -> AttentionContext:
         """The attention's state for one forward; ``striped``: the stream is shared by the context-parallel group."""

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from sparsebalance_pl.errors import DataError
+from sparsebalance_pl.kernels.selection import selection_options
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,13 @@ class TableMeta:
     source: str = "profile"  # "profile" or "analytic"
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     notes: dict[str, Any] = field(default_factory=dict)
+    #: the selection options its selection was timed with (``kernels.selection.SELECTION_OPTIONS`` keys; missing
+    #: ones, as in every table from before the options, are the defaults)
+    selection: dict[str, Any] = field(default_factory=dict)
 
-    def mismatch(self, dims: Any, block_size: int | None = None, stride: int | None = None) -> str | None:
+    def mismatch(
+        self, dims: Any, block_size: int | None = None, stride: int | None = None, selection: dict | None = None
+    ) -> str | None:
         """Why this table does not fit the given model and kernel settings, or None when it does."""
         wanted = cost_dims(dims)
         diffs = [f"{k}: table {self.dims.get(k)} != model {v}" for k, v in wanted.items() if self.dims.get(k) != v]
@@ -92,6 +98,9 @@ class TableMeta:
             diffs.append(f"block_size: table {self.block_size} != run {block_size}")
         if stride is not None and stride != self.stride:
             diffs.append(f"stride: table {self.stride} != run {stride}")
+        if selection is not None:
+            table, run = selection_options(**self.selection), selection_options(**selection)
+            diffs += [f"selection {k}: table {table[k]!r} != run {run[k]!r}" for k in table if table[k] != run[k]]
         return "; ".join(diffs) or None
 
 
@@ -463,12 +472,18 @@ class LatencyModel:
 
     @classmethod
     def from_file(
-        cls, path: str | Path, dims: Any = None, *, block_size: int | None = None, stride: int | None = None
+        cls,
+        path: str | Path,
+        dims: Any = None,
+        *,
+        block_size: int | None = None,
+        stride: int | None = None,
+        selection: dict | None = None,
     ) -> LatencyModel:
         """Load a saved model; raises ``LatencyTableError`` naming the file and the reason when it is unusable.
 
-        With ``dims`` (and optionally ``block_size``, ``stride``) the table must have been profiled for
-        those settings.
+        With ``dims`` (and optionally ``block_size``, ``stride``, the ``selection`` options) the table must have
+        been profiled for those settings.
         """
         path = Path(path)
         try:
@@ -481,7 +496,7 @@ class LatencyModel:
         except LatencyTableError as err:
             raise LatencyTableError(f"latency table {path}: {err}") from err
         if dims is not None:
-            why = model.table.meta.mismatch(dims, block_size, stride)
+            why = model.table.meta.mismatch(dims, block_size, stride, selection)
             if why:
                 raise LatencyTableError(f"latency table {path} was profiled for another setup ({why})")
         return model
@@ -495,6 +510,7 @@ class LatencyModel:
         block_size: int,
         stride: int,
         device: str | None = None,
+        selection: dict | None = None,
     ) -> LatencyModel | None:
         """``from_file`` that logs a warning with the reason and returns None, so the caller can fall back.
 
@@ -502,7 +518,7 @@ class LatencyModel:
         analytic prior, and ``observe`` corrects it.
         """
         try:
-            model = cls.from_file(path, dims, block_size=block_size, stride=stride)
+            model = cls.from_file(path, dims, block_size=block_size, stride=stride, selection=selection)
         except LatencyTableError as err:
             log.warning("%s; falling back", err)
             return None
@@ -528,14 +544,17 @@ class LatencyModel:
         layer_overhead: float = 1e-4,
         device: str = "unknown",
         dtype: str = "float32",
+        selection: dict | None = None,
     ) -> LatencyModel:
         """A prior from FLOP counts at an assumed throughput, for when no profiled table exists.
 
         GEMMs run at ``flops_per_second`` (forward, plus twice that for backward); attention and selection
         at ``attention_efficiency`` of it. Attention counts kept B x B tiles, with the diagonal and first
         block of each document always kept (the selection never drops them); selection scores stride-level antidiagonals,
-        about 1/stride of dense QK^T. ``observe`` corrects each term's scale from measured times.
+        about 1/stride of dense QK^T, plus ``selection["recall_probes"]`` exact rows per query block.
+        ``observe`` corrects each term's scale from measured times.
         """
+        options = selection_options(**(selection or {}))
         d = cost_dims(dims)
         h, hq, hkv, hd = d["hidden_size"], d["num_heads"], d["num_kv_heads"], d["head_dim"]
         gemm = flops_per_second
@@ -546,10 +565,12 @@ class LatencyModel:
         densities = np.array([0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0])
         tiles = kept_tiles(lengths[:, None], densities[None, :], block_size)
         attention = tiles * 3.5 * 4 * block_size**2 * hd * hq / slow  # backward ~2.5x forward
-        selection = hq * lengths**2 * hd / stride / slow
+        probe_rows = options["recall_probes"] * lengths / block_size
+        selection = hq * lengths * hd * (lengths / stride + probe_rows) / slow
         table = LatencyTable(
             meta=TableMeta(dims=d, block_size=block_size, stride=stride, device=device, dtype=dtype, source="analytic",
-                           notes={"flops_per_second": flops_per_second, "attention_efficiency": attention_efficiency}),
+                           notes={"flops_per_second": flops_per_second, "attention_efficiency": attention_efficiency},
+                           selection=options),
             lengths=lengths,
             densities=densities,
             attention=attention,

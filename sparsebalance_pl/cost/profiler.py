@@ -42,7 +42,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMS
 from sparsebalance_pl.cost.latency import TERMS, LatencyModel, LatencyTable, TableMeta, cost_dims
 from sparsebalance_pl.loss import chunked_cross_entropy_sum
 from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, AttentionContext
-from sparsebalance_pl.kernels.selection import LayerBudget
+from sparsebalance_pl.kernels.selection import LayerBudget, selection_options
 from sparsebalance_pl.model import ModelConfig, ModelDims, PackedCausalLM
 
 log = logging.getLogger(__name__)
@@ -214,11 +214,13 @@ class _KernelBench:
     """Timed workloads of the attention kernels: random q, k, v of the attention shape (heads, KV heads, head
     dimension in ``cost_dims``) on the device, whatever model they come from."""
 
-    def __init__(self, dims, device: torch.device, dtype: torch.dtype, block_size: int, stride: int):
-        shape = cost_dims(dims)
+    def __init__(self, dims, device: torch.device, dtype: torch.dtype, block_size: int, stride: int,
+                 selection: dict | None = None):
+        self.shape = shape = cost_dims(dims)
         self.heads, self.kv_heads, self.head_dim = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
         self.device, self.dtype = device, dtype
         self.block_size, self.stride = block_size, stride
+        self.options = selection_options(**(selection or {}))  # the selection's options (not ``selection()``)
 
     def _qkv(self, tokens: int, grad: bool) -> tuple[torch.Tensor, ...]:
         shapes = (self.heads, self.kv_heads, self.kv_heads)
@@ -253,14 +255,16 @@ class _KernelBench:
 
         q, k, _ = self._qkv(tokens, grad=False)
         cu = self._cu_seqlens(tokens, docs)
-        return lambda: select_blocks(q, k, cu, block_size=self.block_size, tau=0.9, stride=self.stride)
+        return lambda: select_blocks(q, k, cu, block_size=self.block_size, tau=0.9, stride=self.stride,
+                                     **self.options)
 
 
 class _QwenBench(_KernelBench):
     """The kernels' workloads, and the rest of a Qwen2 layer and the head on inputs of the model's shapes."""
 
-    def __init__(self, dims: ModelDims, device: torch.device, dtype: torch.dtype, block_size: int, stride: int):
-        super().__init__(dims, device, dtype, block_size, stride)
+    def __init__(self, dims: ModelDims, device: torch.device, dtype: torch.dtype, block_size: int, stride: int,
+                 selection: dict | None = None):
+        super().__init__(dims, device, dtype, block_size, stride, selection)
         self.dims = dims
         config = dims.to_hf_config(NOOP_ATTENTION)
         self.layer = Qwen2DecoderLayer(config, layer_idx=0).to(device, dtype)
@@ -303,11 +307,12 @@ class ModelStep:
     with the density capped, chunked loss) on packed micro-batches of random tokens."""
 
     def __init__(self, dims: ModelDims, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 block_size: int = 64, stride: int = 16) -> None:
+                 block_size: int = 64, stride: int = 16, selection: dict | None = None) -> None:
         self.device = torch.device(device)
         hf_model = ModelConfig(overrides=dims.as_dict()).build(ATTN_IMPLEMENTATION)
         self.net = PackedCausalLM(hf_model, loss_chunk_tokens=4096).to(self.device, dtype)
-        self.attention = AttentionConfig(backend="sparse", block_size=block_size, stride=stride, tau=1.0)
+        self.attention = AttentionConfig(backend="sparse", block_size=block_size, stride=stride, tau=1.0,
+                                         **(selection or {}))
         self.num_layers, self.vocab_size = dims.num_layers, dims.vocab_size
 
     def workload(self, lengths: list[int], density: float) -> Callable[[], None]:
@@ -342,12 +347,14 @@ def profile_hardware(
     seed: int = 0,
     output: str | Path | None = None,
     clock: Clock = "wall",
+    selection: dict | None = None,
 ) -> LatencyModel:
     """Profile this device for a Qwen2 model of ``dims`` and return the fitted ``LatencyModel`` (saved to
     ``output``).
 
     ``grid`` overrides the quick (``quick=True``) or full grid up to ``max_length`` tokens per document;
-    ``clock`` as in the module docstring.
+    ``clock`` as in the module docstring; ``selection``: the selection options training uses
+    (``AttentionConfig.selection_options()``), with which selection is timed.
     """
     device = torch.device(device)
     check_clock(clock, device)
@@ -358,8 +365,8 @@ def profile_hardware(
     step_batches = grid.model_step_batches(seed)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        bench = _QwenBench(dims, device, dtype, block_size, stride)
-        kernels = dict(device=device, dtype=dtype, block_size=block_size, stride=stride)
+        bench = _QwenBench(dims, device, dtype, block_size, stride, selection)
+        kernels = dict(device=device, dtype=dtype, block_size=block_size, stride=stride, selection=selection)
         whole = ModelStep(dims, **kernels) if grid.model_steps else None
         workloads = {
             "layer": lambda n, _: bench.layer_rest(n),
@@ -370,8 +377,8 @@ def profile_hardware(
     counts = np.asarray(grid.token_counts, dtype=np.float64)
     token_layer, layer_overhead = _line([times[("layer", n, None)] for n in grid.token_counts], counts)
     token_head, model_overhead = _line([times[("head", n, None)] for n in grid.token_counts], counts)
-    table = _table(times, grid, dims, device, dtype, block_size, stride, scope_tokens, clock,
-                   (token_layer, token_head, layer_overhead, model_overhead), {})
+    table = _table(times, grid, bench, scope_tokens, clock, (token_layer, token_head, layer_overhead, model_overhead),
+                   {})
     steps = [(lengths, density, times[("model", i, None)]) for i, (lengths, density) in enumerate(step_batches)]
     steps = [step for step in steps if np.isfinite(step[2])]
     model = LatencyModel(_fitted_to_steps(table, steps) if steps else table)
@@ -394,6 +401,7 @@ def profile_module(
     seed: int = 0,
     output: str | Path | None = None,
     clock: Clock = "wall",
+    selection: dict | None = None,
 ) -> LatencyModel:
     """Profile this device for a module of any architecture that attends with SparseBalance's kernels.
 
@@ -413,17 +421,16 @@ def profile_module(
     cells += [("step", n, None) for n in grid.token_counts]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        bench = _KernelBench(dims, device, dtype, block_size, stride)
+        bench = _KernelBench(dims, device, dtype, block_size, stride, selection)
         workloads = {"step": lambda n, _: lambda: step([short] * max(n // short, 1))}
         times = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
-    kernels_only = LatencyModel(_table(times, grid, dims, device, dtype, block_size, stride, scope_tokens, clock,
-                                       (0.0, 0.0, 0.0, 0.0), {}))
+    kernels_only = LatencyModel(_table(times, grid, bench, scope_tokens, clock, (0.0, 0.0, 0.0, 0.0), {}))
     layers = kernels_only.num_layers
     streams = [[short] * max(n // short, 1) for n in grid.token_counts]
     rest = [times[("step", n, None)] - kernels_only.predict(ls, 1.0) for n, ls in zip(grid.token_counts, streams)]
     per_token, fixed = _line(rest, np.array([sum(lengths) for lengths in streams], dtype=np.float64))
-    model = LatencyModel(_table(times, grid, dims, device, dtype, block_size, stride, scope_tokens, clock,
-                                (per_token / layers, 0.0, fixed / layers, 0.0), {"token_costs": "module steps"}))
+    model = LatencyModel(_table(times, grid, bench, scope_tokens, clock, (per_token / layers, 0.0, fixed / layers, 0.0),
+                                {"token_costs": "module steps"}))
     if output is not None:
         model.save(output)
     return model
@@ -486,19 +493,15 @@ def _measure(
 def _table(
     times: dict[tuple, float],
     grid: ProfileGrid,
-    dims,
-    device: torch.device,
-    dtype: torch.dtype,
-    block_size: int,
-    stride: int,
+    bench: _KernelBench,
     scope_tokens: int,
     clock: Clock,
     token_terms: tuple[float, float, float, float],
     notes: dict,
 ) -> LatencyTable:
-    """A table from the kernel cells' timings and the token terms (seconds per token of a layer and of the head,
-    fixed seconds per layer and per micro-batch); the selection scope by comparison of packed and single
-    streams."""
+    """A table from the kernel cells' timings (by ``bench``: its model shape, device, dtype and kernel settings)
+    and the token terms (seconds per token of a layer and of the head, fixed seconds per layer and per
+    micro-batch); the selection scope by comparison of packed and single streams."""
     token_layer, token_head, layer_overhead, model_overhead = token_terms
     packed = times[("selection", scope_tokens, SCOPE_DOCS)]
     one_doc = times[("selection", scope_tokens, 1)]
@@ -511,15 +514,16 @@ def _table(
     saved = SCOPE_DOCS * times[("attention", short, 1.0)] - times[("attention", SCOPE_DOCS * short, 1.0, SCOPE_DOCS)]
     call = min(max(saved / (SCOPE_DOCS - 1), 0.0), 0.9 * attention.min())  # every document still costs time
     meta = TableMeta(
-        dims=cost_dims(dims),
-        block_size=block_size,
-        stride=stride,
-        device=device_name(device),
-        dtype=_name(dtype),
+        dims=bench.shape,
+        block_size=bench.block_size,
+        stride=bench.stride,
+        device=device_name(bench.device),
+        dtype=_name(bench.dtype),
         versions=library_versions(),
         source="profile",
         notes={"grid": grid.__dict__, "clock": clock, "selection_packed_vs_single": packed / one_doc,
                "attention_call_seconds": float(call), **notes},
+        selection=bench.options,
     )
     return LatencyTable(
         meta=meta,
@@ -568,6 +572,7 @@ def latency_model_for_run(
     profile: bool = True,
     max_length: int = 8192,
     progress: bool = True,
+    selection: dict | None = None,
 ) -> LatencyModel:
     """The latency model a training run starts from; never raises for a bad table.
 
@@ -579,7 +584,8 @@ def latency_model_for_run(
     """
     device = torch.device(device)
     here = device_name(device)
-    model = LatencyModel.load_or_none(path, dims, block_size=block_size, stride=stride, device=here)
+    model = LatencyModel.load_or_none(path, dims, block_size=block_size, stride=stride, device=here,
+                                      selection=selection or {})
     fits = model is not None and (model.table.meta.device, model.table.meta.dtype) == (here, _name(dtype))
     if fits and model.table.lengths[-1] < ProfileGrid.quick(max_length).lengths[-1]:
         log.warning("latency table %s stops at documents of %d tokens, this run needs %d",
@@ -591,12 +597,12 @@ def latency_model_for_run(
         log.warning("profiling the latency table for %s into %s (quick grid)", here, path)
         return profile_hardware(
             dims, device=device, dtype=dtype, block_size=block_size, stride=stride, quick=True,
-            max_length=max_length, progress=progress, output=path,
+            max_length=max_length, progress=progress, output=path, selection=selection,
         )
     log.warning("no usable latency table at %s and profiling is off: using the analytic prior", path)
     throughput = 5e10 if device.type == "cpu" else (2e14 if dtype in (torch.float16, torch.bfloat16) else 4e13)
     return LatencyModel.analytic(dims, block_size=block_size, stride=stride, flops_per_second=throughput, device=here,
-                                 dtype=_name(dtype))
+                                 dtype=_name(dtype), selection=selection)
 
 
 def training_dtype(precision: object, device: torch.device | str) -> torch.dtype:

@@ -214,6 +214,20 @@ def test_tables_for_other_dimensions_or_kernels_are_rejected(tmp_path, caplog):
         assert "profiled on 'cpu-a'" in caplog.text
 
 
+def test_a_table_is_matched_on_its_selection_options(tmp_path):
+    path = analytic().save(tmp_path / "defaults.json")
+    old = json.loads(path.read_text())
+    del old["table"]["meta"]["selection"]  # a table from before the options: the defaults
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    for table in (path, tmp_path / "old.json"):
+        assert LatencyModel.from_file(table, DEMO, selection={"local_blocks": 1}) is not None
+        with pytest.raises(LatencyTableError, match="selection estimate: table 'antidiagonal' != run 'sampled'"):
+            LatencyModel.from_file(table, DEMO, selection={"estimate": "sampled"})
+    probed = LatencyModel.analytic(DEMO, block_size=64, stride=16, selection={"recall_probes": 2})
+    assert probed.table.meta.selection["recall_probes"] == 2
+    assert np.all(probed.table.selection > analytic().table.selection)  # probe rows cost scoring time
+
+
 def test_invalid_table_contents_are_rejected():
     meta = TableMeta(dims=cost_dims(DEMO), block_size=64, stride=16)
     good = dict(meta=meta, lengths=[256, 512], densities=[0.1, 1.0], attention=[[1, 2], [3, 4]], selection=[1, 2],

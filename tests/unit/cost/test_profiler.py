@@ -17,6 +17,8 @@ from sparsebalance_pl.cost.profiler import (
     profile_hardware,
     training_dtype,
 )
+from sparsebalance_pl.cost.profiler import _KernelBench
+from sparsebalance_pl.kernels.selection import selection_options
 
 TINY = ModelDims(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=128)
 TINY_GRID = ProfileGrid(
@@ -101,6 +103,25 @@ def test_run_start_profiles_again_for_another_dtype_or_longer_documents(tiny_pro
         kept = latency_model_for_run(path, TINY, device="cpu", max_length=1024, profile=False, **KERNELS)
     assert [(kw["dtype"], kw["max_length"]) for kw in profiled] == [(torch.bfloat16, 256), (torch.float32, 1024)]
     assert kept.predict([200], 0.5) == pytest.approx(model.predict([200], 0.5))  # shorter, but better than a prior
+
+
+def test_run_start_profiles_again_for_other_selection_options(tiny_profile, monkeypatch):
+    """A table times selection with the options it was profiled for (defaults here): a run selecting otherwise
+    (the sampled estimate with probes costs more) profiles its own, and the new table records the options."""
+    path, _ = tiny_profile
+    assert LatencyModel.from_file(path).table.meta.selection == selection_options()
+    profiled = []
+    monkeypatch.setattr(
+        "sparsebalance_pl.cost.profiler.profile_hardware",
+        lambda dims, **kw: profiled.append(kw["selection"]) or LatencyModel.analytic(dims, **KERNELS),
+    )
+    quality = {"estimate": "sampled", "recall_probes": 1}
+    with one_thread():
+        latency_model_for_run(path, TINY, device="cpu", max_length=256, selection=quality, **KERNELS)
+        latency_model_for_run(path, TINY, device="cpu", max_length=256, selection={"sink_blocks": 1}, **KERNELS)
+    assert profiled == [quality]  # the second asks for the defaults, which the table has
+    bench = _KernelBench(TINY, torch.device("cpu"), torch.float32, 32, 8, quality)
+    assert bench.options == selection_options(**quality)
 
 
 @pytest.mark.parametrize("precision, device, dtype", [
