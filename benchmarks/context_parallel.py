@@ -57,8 +57,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
-# Not run by sparse_ring_attention: striped, with each document's first block (the sink) copied to every rank
-# once per layer, so its tiles are computed at the rank's own step instead of at the step visiting its holder.
+# What sparse_ring_attention runs: striped, with the first block (the sink) of each document longer than W blocks
+# copied to every rank once per layer (``kernels.ring.sink_blocks``), so its tiles are computed by each rank in a
+# sink step of its own, counted here with the rank's own ring step, instead of at the step visiting the sink's
+# holder. "striped" is the ring without the sink step (as it ran before 2026-11-25, third pass).
 SINKS_LOCAL = "striped, sinks local"
 STREAMS = {  # name: (tokens, kind)
     "doc8k": (8192, "long"),
@@ -106,12 +108,12 @@ def tile_matrix(kept: torch.Tensor, owner: torch.Tensor, world_size: int,
                           minlength=world_size * world_size).round().long().view(world_size, world_size)
 
 
-def sink_blocks(cu_seqlens: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
-    """bool [nB]: the blocks holding a document's first token (the sinks selection always keeps)."""
-    starts = cu_seqlens[:-1][cu_seqlens[1:] > cu_seqlens[:-1]].long()
-    sinks = torch.zeros(num_blocks, dtype=torch.bool)
-    sinks[starts // block_size] = True
-    return sinks
+def sink_blocks(cu_seqlens: torch.Tensor, num_blocks: int, block_size: int, world_size: int) -> torch.Tensor:
+    """bool [nB]: the sink blocks every rank of a ring of ``world_size`` holds a copy of (none: all False)."""
+    from sparsebalance_pl.kernels.ring import sink_blocks as ring_sinks
+
+    sinks = ring_sinks(cu_seqlens, num_blocks, block_size, world_size)
+    return torch.zeros(num_blocks, dtype=torch.bool) if sinks is None else sinks
 
 
 def ring_steps(matrix: torch.Tensor) -> torch.Tensor:
@@ -286,20 +288,23 @@ def load_model(path: str):
 
 
 def _counting_layouts():
-    """Patches ``TileLayout.build_ring_step`` to record (source, tiles) of every step layout a ring builds;
-    returns the record and an undo function."""
+    """Patches ``TileLayout.build_ring_step`` and ``build_sink_step`` to record (source, tiles) of every step
+    layout a ring builds (source ``"sink"`` for the sink step); returns the record and an undo function."""
     from sparsebalance_pl.kernels.layout import TileLayout
 
-    original = TileLayout.__dict__["build_ring_step"]
+    originals = {name: TileLayout.__dict__[name] for name in ("build_ring_step", "build_sink_step")}
     record = []
 
-    def counted(*args, **kwargs):
-        layout = original.__func__(*args, **kwargs)
-        record.append((kwargs["source"], int(layout.tile_col.numel())))
-        return layout
+    def counting(name):
+        def counted(*args, **kwargs):
+            layout = originals[name].__func__(*args, **kwargs)
+            record.append((kwargs.get("source", "sink"), int(layout.tile_col.numel())))
+            return layout
+        return staticmethod(counted)
 
-    TileLayout.build_ring_step = staticmethod(counted)
-    return record, lambda: setattr(TileLayout, "build_ring_step", original)
+    for name in originals:
+        setattr(TileLayout, name, counting(name))
+    return record, lambda: [setattr(TileLayout, name, f) for name, f in originals.items()]
 
 
 def _ring_rank(rank: int, world_size: int, port: int, job_path: str, out_path: str) -> None:
@@ -469,8 +474,9 @@ def median(xs) -> float:
     return float(statistics.median(xs))
 
 
-def part1(stream_masks: dict, candidates: torch.Tensor, world_sizes: list[int], sinks: torch.Tensor) -> dict:
-    """{W: {layout: {"real": {layer: balance}, "dense": balance}}}, with the hypothetical ``SINKS_LOCAL``."""
+def part1(stream_masks: dict, candidates: torch.Tensor, world_sizes: list[int], cu_seqlens: torch.Tensor,
+          block_size: int) -> dict:
+    """{W: {layout: {"real": {layer: balance}, "dense": balance}}}, with ``SINKS_LOCAL``."""
     heads = next(iter(stream_masks.values())).shape[0]
     dense = candidates.expand(heads, -1, -1)
     out = {}
@@ -478,7 +484,7 @@ def part1(stream_masks: dict, candidates: torch.Tensor, world_sizes: list[int], 
         out[w] = {}
         for layout in (*LAYOUTS, SINKS_LOCAL):
             owner = owners(candidates.shape[-1], w, "striped" if layout == SINKS_LOCAL else layout)
-            shared = sinks if layout == SINKS_LOCAL else None
+            shared = sink_blocks(cu_seqlens, candidates.shape[-1], block_size, w) if layout == SINKS_LOCAL else None
             out[w][layout] = {
                 "real": {layer: balance(tile_matrix(m & candidates, owner, w, shared))
                          for layer, m in stream_masks.items()},
@@ -612,8 +618,7 @@ def main(argv=None) -> None:
         results["streams"][name] = {
             "tokens": ids.numel(), "documents": len(docs), "longest_document": max(n for _, n in docs),
             "document_sources": docs, "blocks": candidates.shape[0], "density": cap.density,
-            "balance": part1(cap.masks, candidates, args.world_sizes,
-                             sink_blocks(cu, candidates.shape[0], args.block_size)),
+            "balance": part1(cap.masks, candidates, args.world_sizes, cu, args.block_size),
         }
         if ring_here:
             ring_capture, ring_candidates = cap, candidates
@@ -674,6 +679,7 @@ def ring_part(args, cap: _Capture, candidates: torch.Tensor, cu: torch.Tensor) -
     load_after = os.getloadavg()[0]
     rows, whole, match = [], [], True
     owner = owners(candidates.shape[0], 2, "striped")
+    sinks = sink_blocks(cu, candidates.shape[0], args.block_size, 2)
     for layer in layers:
         names = list(job["layers"][layer]["masks"])
         slowest = {n: [max(r["ring"][layer][n][i] for r in ranks) for i in range(args.reps)]
@@ -681,10 +687,11 @@ def ring_part(args, cap: _Capture, candidates: torch.Tensor, cu: torch.Tensor) -
         dense_s = median(slowest["ring dense"])
         for name in names:
             kept, density = densities[(layer, name)]
-            want = ring_steps(tile_matrix(kept, owner, 2))  # [step, rank]
+            want = ring_steps(tile_matrix(kept, owner, 2, sinks))  # [step, rank], the sink step's with step 0
             for rank, r in enumerate(ranks):
-                got = r["tiles"][(layer, name)]
-                measured = [tiles for _, tiles in got]
+                got = [(src, n) for src, n in r["tiles"][(layer, name)] if src != "sink"]
+                sink = sum(n for src, n in r["tiles"][(layer, name)] if src == "sink")
+                measured = [tiles + (sink if t == 0 else 0) for t, (_, tiles) in enumerate(got)]
                 expect = [int(want[t, rank]) for t in range(2)]
                 sources = [src for src, _ in got]
                 if measured != expect or sources != [(rank - t) % 2 for t in range(2)]:

@@ -212,11 +212,13 @@ class TileLayout:
         world_size: int,
         rank: int,
         source: int,
+        sinks: torch.Tensor | None = None,
     ) -> "TileLayout":
         """One step of block-striped ring attention: ``rank``'s query blocks (global blocks rank, rank + W, ...)
         against ``source``'s key blocks, with causality, documents (``doc``, the global token document ids) and
         ``block_mask`` [Hq, nB, nB] (None: every causal block) in global coordinates, or only ``rank``'s rows of
-        it [Hq, nB / W, nB].
+        it [Hq, nB / W, nB]. ``sinks`` (bool [nB]): key blocks every rank holds a copy of, whose tiles below the
+        diagonal the sink step computes instead (``build_sink_step``).
 
         The backends test causality on stream positions and documents with one ``doc`` array, so the layout's
         stream is the rank's own shard when source == rank (the diagonal blocks need token-level causality),
@@ -225,15 +227,38 @@ class TileLayout:
         """
         nb = num_blocks(doc.numel(), block_size)
         q_blocks, k_blocks = (striped_blocks(nb, world_size, r, doc.device) for r in (rank, source))
-        first, last = group_doc_range(doc, block_size)
-        causal = k_blocks[None, :] <= q_blocks[:, None]
-        kept = causal & (first[q_blocks][:, None] <= last[k_blocks][None, :])
-        if block_mask is not None:
-            rows = block_mask if block_mask.shape[1] == q_blocks.numel() else block_mask[:, q_blocks]
-            kept = kept & rows[:, :, k_blocks]
+        kept = _striped_tiles(block_mask, doc, block_size, q_blocks, k_blocks)
+        if sinks is not None:
+            kept = kept & ~(sinks[k_blocks][None, None, :] & (k_blocks[None, None, :] < q_blocks[None, :, None]))
         blocked = doc.view(nb, block_size)
         q_doc, k_doc = blocked[q_blocks].flatten(), blocked[k_blocks].flatten()
         stream_doc = q_doc if source == rank else torch.cat([k_doc, q_doc])
+        return TileLayout._from_tiles(
+            kept.expand(num_q_heads, -1, -1), stream_doc, doc, q_blocks, k_blocks, num_kv_heads, block_size
+        )
+
+    @staticmethod
+    @single_threaded()
+    def build_sink_step(
+        block_mask: torch.Tensor | None,
+        doc: torch.Tensor,
+        num_q_heads: int,
+        num_kv_heads: int,
+        block_size: int,
+        *,
+        world_size: int,
+        rank: int,
+        sinks: torch.Tensor,
+    ) -> "TileLayout":
+        """``rank``'s query blocks against the ``sinks`` key blocks (bool [nB]) strictly below them, of which
+        every rank holds a copy: the tiles ``build_ring_step`` leaves out with the same ``sinks``. The stream is
+        the sink blocks in order, then the rank's shard."""
+        nb = num_blocks(doc.numel(), block_size)
+        q_blocks, k_blocks = striped_blocks(nb, world_size, rank, doc.device), sinks.nonzero()[:, 0]
+        kept = _striped_tiles(block_mask, doc, block_size, q_blocks, k_blocks)
+        kept = kept & (k_blocks[None, None, :] < q_blocks[None, :, None])
+        blocked = doc.view(nb, block_size)
+        stream_doc = torch.cat([blocked[k_blocks].flatten(), blocked[q_blocks].flatten()])
         return TileLayout._from_tiles(
             kept.expand(num_q_heads, -1, -1), stream_doc, doc, q_blocks, k_blocks, num_kv_heads, block_size
         )
@@ -283,3 +308,18 @@ class TileLayout:
             torch.cumsum(counts, 0, out=col_ptr[1:])
             self.scratch["transposed"] = (col_ptr, qb[order])
         return self.scratch["transposed"]
+
+
+def _striped_tiles(
+    block_mask: torch.Tensor | None, doc: torch.Tensor, block_size: int, q_blocks: torch.Tensor, k_blocks: torch.Tensor
+) -> torch.Tensor:
+    """bool [1 or Hq, nQ, nK]: the tiles of global query blocks ``q_blocks`` against key blocks ``k_blocks`` that
+    are causal, share a document and are kept by ``block_mask`` (global [Hq, nB, nB], or only the query blocks'
+    rows [Hq, nQ, nB]; None: all)."""
+    first, last = group_doc_range(doc, block_size)
+    kept = (k_blocks[None, :] <= q_blocks[:, None]) & (first[q_blocks][:, None] <= last[k_blocks][None, :])
+    kept = kept[None]
+    if block_mask is not None:
+        rows = block_mask if block_mask.shape[1] == q_blocks.numel() else block_mask[:, q_blocks]
+        kept = kept & rows[:, :, k_blocks]
+    return kept

@@ -10,6 +10,14 @@ block mask in global coordinates), and merges the step's output into a running f
 natural-log log-sum-exp. K/V travel one rank forward per step; every rank posts the same sends and
 receives at every step whatever its tiles, so a step with nothing kept skips compute, never communication.
 
+Sinks: every query block of a document attends the document's first block (the selection always keeps it),
+and that block lives on one rank, so at every ring step the one rank visiting a sink's holder would compute
+far more tiles than the others (max / mean per step 1.6-1.8 at W = 8 on real masks). The first block of each
+document longer than W blocks is therefore summed onto every rank once per call (``sink_blocks``: zeros but
+the owner's rows, one all-reduce), and each rank computes its queries' tiles against the sinks in a sink step
+before the ring, whose steps leave those tiles out; their dK/dV partials are summed back to the owners after
+the ring.
+
 Backward: each step's tiles are recomputed against the merged output. The backends' backward takes the
 lse of their own forward on the layout, and uses ``out`` only through rowsum(out * grad_out): given the
 step's lse, the merged output and grad_out scaled per row by exp(lse_step - lse), the share of the merged
@@ -103,6 +111,8 @@ class _Ring:
     layouts: list[TileLayout]
     label: str = ""
     wait_timer: WaitTimer | None = None
+    sinks: torch.Tensor | None = None  # bool [nB]: key blocks every rank holds a copy of (see ``sink_blocks``)
+    sink_layout: TileLayout | None = None  # this rank's tiles against them
 
     @property
     def num_nodes(self) -> int:
@@ -183,12 +193,16 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, out_step: torch.Tensor, lse_ste
 
 
 def _forward(ring: _Ring, impl, q, k, v, scale):
-    """Returns the merged output in q's dtype, the merged lse [Hq, T/W] and each step's lse (None where the
-    step kept no tile)."""
+    """Returns the merged output in q's dtype, the merged lse [Hq, T/W], each ring step's lse (None where the
+    step kept no tile), the sink blocks' K/V (None without) and the sink step's lse (None without tiles)."""
     acc = _accumulation_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
     step_lse = []
+    sink_kv = sink_lse = None
+    if ring.sink_layout is not None:
+        sink_kv = _sink_rows(ring, torch.stack([k, v]), ring.sink_layout.block_size)
+        sink_lse = _attend_step(impl, ring.sink_layout, q, sink_kv, scale, out, lse)
     outer_kv = torch.stack([k, v])  # one message per step
     steps = iter(enumerate(ring.layouts))
     for outer in range(ring.num_nodes):
@@ -201,23 +215,74 @@ def _forward(ring: _Ring, impl, q, k, v, scale):
             last = inner == ring.node_size - 1
             if not last:
                 transfer = _Transfer(ring, kv, _KV_TAG)
-            if layout.tile_col.numel():
-                out_step, lse_step = impl.forward(_as_queries(q, layout), _as_keys(kv[0], layout),
-                                                  _as_keys(kv[1], layout), layout, scale)
-                lse_step = _query_lse(lse_step, layout, q.shape[0]).contiguous()  # saved: not the stream's
-                _merge(out, lse, out_step[layout.num_tokens - q.shape[0] :], lse_step)
-                step_lse.append(lse_step)
-            else:
-                step_lse.append(None)
+            step_lse.append(_attend_step(impl, layout, q, kv, scale, out, lse))
             if not last:
                 kv = transfer.wait(step, "K/V")
         if not last_outer:
             outer_kv = outer_transfer.wait(step, "K/V from the previous node")
-    return out.to(q.dtype), lse, step_lse
+    return out.to(q.dtype), lse, step_lse, sink_kv, sink_lse
+
+
+def _attend_step(impl, layout, q, kv, scale, out, lse):
+    """One step's attention of this rank's queries to ``kv``, merged into ``out`` and ``lse`` in place; returns
+    the step's lse [Hq, T/W] (None when the step keeps no tile)."""
+    if not layout.tile_col.numel():
+        return None
+    out_step, lse_step = impl.forward(_as_queries(q, layout), _as_keys(kv[0], layout), _as_keys(kv[1], layout),
+                                      layout, scale)
+    lse_step = _query_lse(lse_step, layout, q.shape[0]).contiguous()  # saved: not the stream's
+    _merge(out, lse, out_step[layout.num_tokens - q.shape[0] :], lse_step)
+    return lse_step
+
+
+def sink_blocks(cu_seqlens: torch.Tensor, num_blocks: int, block_size: int, world_size: int) -> torch.Tensor | None:
+    """bool [nB]: the first block of every document spanning more than ``world_size`` blocks, or None when there
+    is none. Every query block of such a document attends its first block (a sink the selection always keeps),
+    and that block lives on one rank: in the ring only the rank visiting it at a step would compute those tiles,
+    so every step would have one rank far busier than the others. Each rank gets a copy instead and computes
+    them before the ring (the sink step), which leaves the ring's steps balanced."""
+    if world_size == 1:
+        return None
+    starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
+    first, last = starts // block_size, (ends - 1) // block_size
+    long_docs = (ends > starts) & (last - first >= world_size)
+    if not bool(long_docs.any()):
+        return None
+    sinks = torch.zeros(num_blocks, dtype=torch.bool, device=cu_seqlens.device)
+    sinks[first[long_docs]] = True
+    return sinks
+
+
+def _sink_rows(ring: _Ring, local: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The sink blocks' rows of ``local`` ([2, T/W, H, D]: this rank's K/V, or their gradients) gathered from their
+    owners on every rank, [2, S * B, H, D] in block order: each owner writes its own blocks into zeros and one
+    sum over the group gathers them."""
+    blocks = ring.sinks.nonzero()[:, 0]
+    owned = blocks % ring.world_size == ring.rank
+    rows = torch.zeros(local.shape[0], blocks.numel(), block_size, *local.shape[2:], dtype=local.dtype,
+                       device=local.device)
+    rows[:, owned] = local.unflatten(1, (-1, block_size))[:, blocks[owned] // ring.world_size]
+    _group_sum(ring, rows, "before ring step 0")
+    return rows.flatten(1, 2)
+
+
+def _group_sum(ring: _Ring, x: torch.Tensor, when: str) -> None:
+    """In place, ``x`` summed over the ring's group (a blocking collective: timed as a wait); ``when`` names the
+    moment in an error."""
+    if ring.wait_timer is not None:
+        ring.wait_timer.start(_WAIT_KEY)
+    try:
+        dist.all_reduce(x, group=ring.group)
+    except RuntimeError as err:
+        raise RuntimeError(f"ring attention{ring.label}: rank {ring.rank} got no sink blocks from the group's ranks "
+                           f"{when}: {err}") from err
+    if ring.wait_timer is not None:
+        ring.wait_timer.stop(_WAIT_KEY)
 
 
 def _step_backward(impl, layout, q, kv, out, lse, lse_step, grad_out, scale):
-    """One step's (dq [T/W, Hq, D], dk and dv stacked [2, T/W, Hkv, D]) of the merged attention's gradients."""
+    """One step's (dq [T/W, Hq, D], dk and dv of ``kv``'s rows stacked [2, rows, Hkv, D]) of the merged attention's
+    gradients."""
     local = q.shape[0]
     share = torch.where(torch.isneginf(lse_step), 0.0, torch.exp(lse_step - lse))  # [Hq, T/W]
     grad_step = (grad_out * share.t().unsqueeze(-1)).to(grad_out.dtype)
@@ -227,10 +292,11 @@ def _step_backward(impl, layout, q, kv, out, lse, lse_step, grad_out, scale):
         _as_queries(q, layout), _as_keys(kv[0], layout), _as_keys(kv[1], layout), _as_queries(out, layout),
         stream_lse, _as_queries(grad_step, layout), layout, scale,
     )
-    return dq[layout.num_tokens - local :], torch.stack([dk[:local], dv[:local]])
+    keys = kv.shape[1]
+    return dq[layout.num_tokens - local :], torch.stack([dk[:keys], dv[:keys]])
 
 
-def _backward(ring: _Ring, impl, q, k, v, out, lse, step_lse, grad_out, scale):
+def _backward(ring: _Ring, impl, q, k, v, out, lse, step_lse, sink_kv, sink_lse, grad_out, scale):
     acc = _accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     outer_kv = torch.stack([k, v])
@@ -266,16 +332,29 @@ def _backward(ring: _Ring, impl, q, k, v, out, lse, step_lse, grad_out, scale):
         if not last_outer:
             outer_kv = outer_transfer.wait(step, "K/V from the previous node")
     dkv = outer_grads.wait(step, "dK/dV from the previous node")
+    if sink_kv is not None:  # every rank's part of the sink blocks' gradients, summed, to the blocks' owners
+        sink_grads = torch.zeros(sink_kv.shape, dtype=acc, device=q.device)
+        if sink_lse is not None:
+            dq_step, sink_grads = _step_backward(impl, ring.sink_layout, q, sink_kv, out, lse, sink_lse, grad_out,
+                                                 scale)
+            dq += dq_step
+            sink_grads = sink_grads.to(acc)
+        block = ring.sink_layout.block_size
+        _group_sum(ring, sink_grads, f"after ring step {step} (their gradients)")
+        blocks = ring.sinks.nonzero()[:, 0]
+        owned = blocks % ring.world_size == ring.rank
+        dkv.unflatten(1, (-1, block))[:, blocks[owned] // ring.world_size] += sink_grads.unflatten(1, (-1, block))[:, owned]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, impl, scale):
-        out, lse, step_lse = _forward(ring, impl, q, k, v, scale)
-        ctx.save_for_backward(q, k, v, out, lse, *(x for x in step_lse if x is not None))
+        out, lse, step_lse, sink_kv, sink_lse = _forward(ring, impl, q, k, v, scale)
+        optional = [sink_kv, sink_lse, *step_lse]
+        ctx.save_for_backward(q, k, v, out, lse, *(x for x in optional if x is not None))
         ctx.ring, ctx.impl, ctx.scale = ring, impl, scale
-        ctx.kept_steps = [x is not None for x in step_lse]
+        ctx.present = [x is not None for x in optional]
         return out
 
     @staticmethod
@@ -283,8 +362,9 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, *saved = ctx.saved_tensors
         saved = iter(saved)
-        step_lse = [next(saved) if kept else None for kept in ctx.kept_steps]
-        dq, dk, dv = _backward(ctx.ring, ctx.impl, q, k, v, out, lse, step_lse, grad_out.contiguous(), ctx.scale)
+        sink_kv, sink_lse, *step_lse = [next(saved) if present else None for present in ctx.present]
+        dq, dk, dv = _backward(ctx.ring, ctx.impl, q, k, v, out, lse, step_lse, sink_kv, sink_lse,
+                               grad_out.contiguous(), ctx.scale)
         return dq, dk, dv, None, None, None
 
 
@@ -352,12 +432,16 @@ def sparse_ring_attention(
     impl = _implementation(resolve_backend(backend, q.device))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     doc = token_doc_ids(cu_seqlens.to(q.device), num_tokens)
+    sinks = sink_blocks(cu_seqlens.to(q.device), num_tokens // block_size, block_size, world_size)
     ring = _Ring(group, world_size, rank, node_size, layouts=[], label=f" ({label})" if label else "",
-                 wait_timer=wait_timer)
+                 wait_timer=wait_timer, sinks=sinks)
     ring.layouts.extend(
         TileLayout.build_ring_step(block_mask, doc, q.shape[1], k.shape[1], block_size,
-                                   world_size=world_size, rank=rank, source=ring.source(outer, inner))
+                                   world_size=world_size, rank=rank, source=ring.source(outer, inner), sinks=sinks)
         for outer in range(ring.num_nodes)
         for inner in range(node_size)
     )
+    if sinks is not None:
+        ring.sink_layout = TileLayout.build_sink_step(block_mask, doc, q.shape[1], k.shape[1], block_size,
+                                                      world_size=world_size, rank=rank, sinks=sinks)
     return _RingAttention.apply(q, k, v, ring, impl, scale)

@@ -93,7 +93,7 @@ def test_bad_arguments_fail_in_one_line(capsys):
 
 def test_sinks_held_by_every_rank_count_at_the_own_step():
     cu = torch.tensor([0, 40, 64], dtype=torch.int32)  # two documents: sinks in blocks 0 and 5 (B = 8)
-    sinks = cp.sink_blocks(cu, 8, 8)
+    sinks = cp.sink_blocks(cu, 8, 8, 2)  # both documents span more than 2 blocks
     assert torch.nonzero(sinks).flatten().tolist() == [0, 5]
     kept = cp.candidates_of(cu, 64, 8)
     plain = cp.tile_matrix(kept, cp.owners(8, 2, "striped"), 2)
