@@ -253,15 +253,21 @@ def sink_blocks(cu_seqlens: torch.Tensor, num_blocks: int, block_size: int, worl
     return sinks
 
 
-def _sink_rows(ring: _Ring, local: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The sink blocks' rows of ``local`` ([2, T/W, H, D]: this rank's K/V, or their gradients) gathered from their
-    owners on every rank, [2, S * B, H, D] in block order: each owner writes its own blocks into zeros and one
-    sum over the group gathers them."""
+def _owned_sinks(ring: _Ring) -> tuple[torch.Tensor, torch.Tensor]:
+    """(which of the sink blocks this rank holds, bool [S]; their indices among its own blocks)."""
     blocks = ring.sinks.nonzero()[:, 0]
     owned = blocks % ring.world_size == ring.rank
-    rows = torch.zeros(local.shape[0], blocks.numel(), block_size, *local.shape[2:], dtype=local.dtype,
+    return owned, blocks[owned] // ring.world_size
+
+
+def _sink_rows(ring: _Ring, local: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The sink blocks' rows of ``local`` ([2, T/W, H, D]: this rank's K/V) gathered from their owners on every
+    rank, [2, S * B, H, D] in block order: each owner writes its own blocks into zeros and one sum over the
+    group gathers them."""
+    owned, local_blocks = _owned_sinks(ring)
+    rows = torch.zeros(local.shape[0], owned.numel(), block_size, *local.shape[2:], dtype=local.dtype,
                        device=local.device)
-    rows[:, owned] = local.unflatten(1, (-1, block_size))[:, blocks[owned] // ring.world_size]
+    rows[:, owned] = local.unflatten(1, (-1, block_size))[:, local_blocks]
     _group_sum(ring, rows, "before ring step 0")
     return rows.flatten(1, 2)
 
@@ -339,11 +345,10 @@ def _backward(ring: _Ring, impl, q, k, v, out, lse, step_lse, sink_kv, sink_lse,
                                                  scale)
             dq += dq_step
             sink_grads = sink_grads.to(acc)
-        block = ring.sink_layout.block_size
         _group_sum(ring, sink_grads, f"after ring step {step} (their gradients)")
-        blocks = ring.sinks.nonzero()[:, 0]
-        owned = blocks % ring.world_size == ring.rank
-        dkv.unflatten(1, (-1, block))[:, blocks[owned] // ring.world_size] += sink_grads.unflatten(1, (-1, block))[:, owned]
+        owned, local_blocks = _owned_sinks(ring)
+        block = ring.sink_layout.block_size
+        dkv.unflatten(1, (-1, block))[:, local_blocks] += sink_grads.unflatten(1, (-1, block))[:, owned]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
