@@ -7,10 +7,11 @@ partials travelling behind them (``kernels/ring.py``)::
     ring(T, W) = s_ring * L * (W - 1) * (3 * latency + (2 * kv_bytes + grad_bytes) * (T / W) / bandwidth)
 
 with kv_bytes the K and V of one token of one layer in the attention's dtype and grad_bytes their gradients
-in fp32 (the two sums of the documents' sink blocks, a few blocks each, are left to the scale). Compute hides part of it (each transfer overlaps a step's tiles), so what a rank waits for is less;
-the scale s_ring is learned from the measured waits (``SparsityReport.ring_seconds``) and starts at 1, so the
-bandwidth and latency are only a prior. The waits are the group's least: a rank also waits on a slower member,
-which is that member's compute, not communication.
+in fp32 (the two sums of the documents' sink blocks, a few blocks each, are left to the scale). Compute hides
+part of it (each transfer overlaps a step's tiles), so what a rank waits for is less; the scale s_ring is
+learned from the measured waits (``SparsityReport.ring_seconds``) and starts at 1, so the bandwidth and latency
+are only a prior. The waits are the group's least: a rank also waits on a slower member, which is that member's
+compute, not communication.
 """
 
 from __future__ import annotations
