@@ -18,8 +18,9 @@ taken from ``--fallback-split`` (the pretrained model never saw either split of 
     python benchmarks/regime_table.py --lengths 1024 2048 4096 --taus 0.8 0.9 0.95 --streams 1 --samples 2 \\
         --out outputs/regime_table
 
-Lengths run smallest first; results.json and results.md are rewritten after every cell, so an interrupted run
-keeps what it measured.
+Lengths run smallest first; results.json and results.md are rewritten after every tau and every attention, so
+an interrupted run keeps what it measured. Runs split by part, length or kind (``--parts``, ``--lengths``,
+``--kinds``) are put in one table with ``--merge DIR [DIR ...] --out DIR``.
 """
 
 from __future__ import annotations
@@ -92,7 +93,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval-seed", type=int, default=1234)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="folder for results.json and results.md")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                        help="measure nothing: merge the results.json of these runs' folders into --out")
     args = parser.parse_args(argv)
+    if args.merge is not None:
+        if args.out is None:
+            raise UsageError("--merge needs --out")
+        return args
     check_args(args)
     args.lengths = sorted(set(args.lengths))
     return args
@@ -295,9 +302,40 @@ def write(out: Path | None, results: dict) -> None:
     (out / "results.md").write_text(markdown(results) + "\n")
 
 
+def merge(folders: list[Path]) -> dict:
+    """One result of several runs' (e.g. one length or kind each): their cells sorted by length, kind and tau
+    (dense first), the first run's settings, and every run's command in ``meta["runs"]``."""
+    merged = None
+    for folder in folders:
+        path = folder / "results.json"
+        if not path.is_file():
+            raise UsageError(f"--merge {folder}: no results.json there")
+        run = json.loads(path.read_text())
+        if merged is None:
+            merged = {"meta": {**run["meta"], "runs": []}, "quality": [], "retrieval": []}
+        merged["meta"]["runs"].append({"out": str(folder), **{k: run["meta"].get(k) for k in
+                                                              ("command", "started", "finished")}})
+        merged["quality"] += [q for q in run["quality"] if q["taus"]]
+        merged["retrieval"] += [r for r in run["retrieval"] if r["rows"]]
+        if run["retrieval"]:
+            merged["meta"]["tasks"] = run["meta"]["tasks"]
+    merged["quality"].sort(key=lambda q: (q["length"], KINDS.index(q["kind"])))
+    merged["retrieval"].sort(key=lambda r: r["length"])
+    for q in merged["quality"]:
+        q["taus"].sort(key=lambda c: c["tau"])
+    for r in merged["retrieval"]:
+        r["rows"].sort(key=lambda row: -1.0 if row["tau"] is None else row["tau"])
+    return merged
+
+
 # ---------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.merge is not None:
+        merged = merge([Path(f) for f in args.merge])
+        write(Path(args.out), merged)
+        print(markdown(merged))
+        return
     from sparsebalance_pl.attention import ATTN_IMPLEMENTATION
     from sparsebalance_pl.datamodules.eval_tasks import EvalConfig, make_eval_samples
     from sparsebalance_pl.datamodules.tokenizer import load_tokenizer

@@ -154,3 +154,24 @@ def test_table_without_quality_or_retrieval(tmp_path):
     rt.write(tmp_path / "out", results)
     assert (tmp_path / "out" / "results.json").is_file()
     assert (tmp_path / "out" / "results.md").read_text().startswith("Model m")
+
+
+def test_merge_sorts_the_runs_cells(tmp_path):
+    first, second = _results(), _results()
+    first["quality"][0]["taus"].append(dict(first["quality"][0]["taus"][0], tau=0.8))
+    second["quality"][0].update(length=512, kind="prose")
+    second["retrieval"][0]["length"] = 512
+    second["retrieval"][0]["rows"].reverse()
+    first["meta"]["command"], second["meta"]["command"] = "one", "two"
+    rt.write(tmp_path / "a", first)
+    rt.write(tmp_path / "b", second)
+    merged = rt.merge([tmp_path / "a", tmp_path / "b"])
+    assert [(q["length"], q["kind"]) for q in merged["quality"]] == [(512, "prose"), (1024, "code")]
+    assert [c["tau"] for c in merged["quality"][1]["taus"]] == [0.8, 0.9]
+    assert [r["length"] for r in merged["retrieval"]] == [512, 1024]
+    assert [row["attention"] for row in merged["retrieval"][0]["rows"]] == ["dense", "sparse tau 0.9"]
+    assert [r["command"] for r in merged["meta"]["runs"]] == ["one", "two"]
+    with pytest.raises(SystemExit, match="no results.json there"):
+        rt.merge([tmp_path / "c"])
+    with pytest.raises(SystemExit, match="--merge needs --out"):
+        rt.parse_args(["--merge", str(tmp_path / "a")])
