@@ -98,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-shared", type=float, default=0.1,
                         help="drop val documents with more than this share of their windows in the training split")
     parser.add_argument("--seed", type=int, default=0, help="seed of the evaluation streams")
+    parser.add_argument("--iso-taus", type=float, nargs="*", default=[0.85, 0.88],
+                        help="further taus at which the fine-tunes are scored, to compare them at the base density")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the evaluations")
     parser.add_argument("--resume", action="store_true", help="reuse finished phases of an earlier run in --out")
     parser.add_argument("--out", required=True, help="folder for the runs, results.json and results.md")
@@ -107,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         (args.lr <= 0, f"--lr={args.lr} must be positive"),
         (not 0 <= args.warmup_steps < args.steps, f"--warmup-steps={args.warmup_steps} must lie in [0, --steps)"),
         (not 0 <= args.min_lr_ratio <= 1, f"--min-lr-ratio={args.min_lr_ratio} must lie in [0, 1]"),
-        (not 0 < args.tau <= 1, f"--tau={args.tau} must lie in (0, 1]"),
+        (not all(0 < t <= 1 for t in [args.tau, *args.iso_taus]), "--tau and --iso-taus must lie in (0, 1]"),
         (args.length < args.block_size or args.length % args.block_size,
          f"--length={args.length} must be a positive multiple of --block-size={args.block_size}"),
         (args.streams < 1 or args.devices < 1 or args.threads < 1,
@@ -361,30 +363,47 @@ def held_out_check(args: argparse.Namespace, train_corpus: Path, docs: list[np.n
 
 
 # ------------------------------------------------------------------------------------------- evaluation
-def evaluate(model_dir: str, streams: list[dict], args: argparse.Namespace, label: str) -> dict:
+def evaluate(model_dir: str, streams: list[dict], args: argparse.Namespace, label: str, iso: bool) -> dict:
     """Dense loss of ``model_dir`` on ``streams``, and the default selection's sparse loss, density, exact and
-    estimated recall (``selection_quality``'s passes), with per-stream losses."""
+    estimated recall at ``--tau`` (``selection_quality``'s passes), with per-stream losses; with ``iso``, the
+    same sparse figures at each of ``--iso-taus`` too (``iso_density``)."""
     model = ModelConfig(pretrained_path=model_dir).build(sq.IMPLEMENTATION).eval()
     dense = []
     for i, s in enumerate(streams):
         dense.append(sq.forward(model, s, sq.Run(s["cu_seqlens"], args.block_size, None, 1.0)))
         progress(f"  {label} dense stream {i + 1}/{len(streams)}")
-    result = {"model": model_dir, "dense_loss": _mean_loss(dense), "dense_streams": dense}
+    result = {"model": model_dir, "dense_loss": _mean_loss(dense), "dense_streams": dense,
+              **_sparse_pass(model, streams, dense, args, args.tau, label)}
+    result["iso"] = [_sparse_pass(model, streams, dense, args, tau, label) for tau in args.iso_taus] if iso else []
+    return result
+
+
+def _sparse_pass(model, streams: list[dict], dense: list, args: argparse.Namespace, tau: float, label: str) -> dict:
     variant = sq.Variant.parse(f"base:stride={args.stride}")
     per_stream = []
     for i, s in enumerate(streams):
-        run = sq.Run(s["cu_seqlens"], args.block_size, variant, args.tau)
+        run = sq.Run(s["cu_seqlens"], args.block_size, variant, tau)
         start = time.perf_counter()
         loss_sum, tokens = sq.forward(model, s, run)
         per_stream.append({"loss_sum": loss_sum, "tokens": tokens, "layers": run.layers,
                            "seconds": time.perf_counter() - start})
-        progress(f"  {label} sparse stream {i + 1}/{len(streams)}: {per_stream[-1]['seconds']:.0f} s")
+        progress(f"  {label} sparse (tau {tau}) stream {i + 1}/{len(streams)}: {per_stream[-1]['seconds']:.0f} s")
     summary = sq.summarise(variant, per_stream, dense, model.config.num_hidden_layers)
-    result.update({key: summary[key] for key in ("density", "exact_recall", "estimated_recall",
-                                                 "min_layer_exact_recall", "layers")})
-    result["sparse_loss"] = summary["loss"]
-    result["sparse_streams"] = [(s["loss_sum"], s["tokens"]) for s in per_stream]
-    return result
+    return {"tau": tau, "sparse_loss": summary["loss"],
+            "sparse_streams": [(s["loss_sum"], s["tokens"]) for s in per_stream],
+            **{key: summary[key] for key in ("density", "exact_recall", "estimated_recall", "min_layer_exact_recall",
+                                             "layers")}}
+
+
+def iso_density(result: dict, density: float) -> float | None:
+    """The sparse loss of an evaluation at ``density``, interpolated linearly between its two taus whose densities
+    bracket it (None when none do): fine-tuning moves the density a tau keeps, and the base model's density is
+    the fair budget to compare at."""
+    points = sorted((p["density"], p["sparse_loss"]) for p in [result, *result.get("iso", [])])
+    for (d0, l0), (d1, l1) in zip(points, points[1:]):
+        if d0 <= density <= d1:
+            return l0 if d1 == d0 else l0 + (l1 - l0) * (density - d0) / (d1 - d0)
+    return None
 
 
 def _mean_loss(streams: list) -> float:
@@ -416,7 +435,12 @@ def table_rows(base: dict, dense_ft: dict, sparse_ft: dict) -> tuple[list[dict],
                "closed_share": 1 - after["gap"] / before["gap"] if before["gap"] else None,
                "before_per_stream": before["per_stream"], "after_per_stream": after["per_stream"],
                "dense_ft_own_per_stream": dense_own["per_stream"],
-               "streams_with_smaller_gap": sum(a < b for a, b in zip(after["per_stream"], before["per_stream"]))}
+               "streams_with_smaller_gap": sum(a < b for a, b in zip(after["per_stream"], before["per_stream"])),
+               "base_density": base["density"]}
+    reference = dense_ft["dense_loss"]
+    for name, result in (("after", sparse_ft), ("dense_ft_own", dense_ft)):
+        loss = iso_density(result, base["density"])
+        summary[f"iso_{name}"] = None if loss is None else loss / reference - 1
     return rows, summary
 
 
@@ -442,6 +466,25 @@ def markdown(rows: list[dict], summary: dict, tau: float) -> str:
                   + f"; smaller on {summary['streams_with_smaller_gap']} of {len(summary['before_per_stream'])} "
                   f"streams. Dense fine-tuning alone leaves the dense-ft model a gap of "
                   f"{_percent(summary['dense_ft_own'])} of its own."]
+    return "\n".join(lines)
+
+
+def iso_table(evaluations: dict, summary: dict) -> str:
+    """Every tau each model was scored at, and the gaps interpolated at the base model's density."""
+    reference = {"base": evaluations["base"]["dense_loss"], "dense-ft": evaluations["dense-ft"]["dense_loss"],
+                 "sparse-ft": evaluations["dense-ft"]["dense_loss"]}
+    lines = ["| model | tau | density | exact recall | sparse loss | vs dense reference |", "|---|---|---|---|---|---|"]
+    for name, result in evaluations.items():
+        for p in sorted([result, *result.get("iso", [])], key=lambda p: p["tau"]):
+            lines.append(f"| {name} | {p['tau']} | {p['density']:.3f} | {p['exact_recall']:.3f} | "
+                         f"{p['sparse_loss']:.4f} | {_percent(p['sparse_loss'] / reference[name] - 1)} |")
+
+    def interpolated(value):
+        return "not bracketed by the taus scored" if value is None else _percent(value)
+
+    lines += ["", f"At the base model's density {summary['base_density']:.3f} (interpolated between taus): "
+                  f"sparse-ft vs dense-ft dense {interpolated(summary['iso_after'])}, dense-ft's own gap "
+                  f"{interpolated(summary['iso_dense_ft_own'])}; before {_percent(summary['before'])}."]
     return "\n".join(lines)
 
 
@@ -527,7 +570,7 @@ def main(argv=None) -> None:
              "windows occur in training")
 
     base = phases.run("evaluate base", {**eval_settings, "model": args.model},
-                      lambda: evaluate(args.model, streams, args, "base"))
+                      lambda: evaluate(args.model, streams, args, "base", iso=False))
     fit_settings = {k: getattr(args, k) for k in FIT_KEYS}
     models, runs = {}, {}
     for backend in BACKENDS:
@@ -541,16 +584,19 @@ def main(argv=None) -> None:
 
         runs[backend] = phases.run(f"fine-tune {backend}", fit_settings, fine_tune)
         models[backend] = runs[backend]["hf"]
-    dense_ft = phases.run("evaluate dense-ft", {**eval_settings, "model": models["dense"]},
-                          lambda: evaluate(models["dense"], streams, args, "dense-ft"))
-    sparse_ft = phases.run("evaluate sparse-ft", {**eval_settings, "model": models["sparse"]},
-                           lambda: evaluate(models["sparse"], streams, args, "sparse-ft"))
+    iso_settings = {**eval_settings, "iso_taus": args.iso_taus}
+    dense_ft = phases.run("evaluate dense-ft", {**iso_settings, "model": models["dense"]},
+                          lambda: evaluate(models["dense"], streams, args, "dense-ft", iso=True))
+    sparse_ft = phases.run("evaluate sparse-ft", {**iso_settings, "model": models["sparse"]},
+                           lambda: evaluate(models["sparse"], streams, args, "sparse-ft", iso=True))
 
     rows, summary = table_rows(base, dense_ft, sparse_ft)
     phases.data.update(rows=rows, gap=summary, runs=runs, wall_s=time.time() - started)
     phases.save()
     text = markdown(rows, summary, args.tau)
-    (out / "results.md").write_text("\n\n".join([describe(phases.data, check), text, training_table(runs)]) + "\n")
+    evaluations = {"base": base, "dense-ft": dense_ft, "sparse-ft": sparse_ft}
+    parts = [describe(phases.data, check), text, iso_table(evaluations, summary), training_table(runs)]
+    (out / "results.md").write_text("\n\n".join(parts) + "\n")
     print(text)
     progress(f"done in {time.time() - started:.0f} s; wrote {out / 'results.json'} and {out / 'results.md'}")
 

@@ -20,7 +20,8 @@ def test_defaults_and_bad_arguments_end_with_one_line():
     for bad, message in [(["--steps", "0"], "--steps=0 must be at least 1"),
                          (["--lr", "0"], "--lr=0.0 must be positive"),
                          (["--steps", "4", "--warmup-steps", "4"], "--warmup-steps=4 must lie in"),
-                         (["--tau", "1.5"], "--tau=1.5 must lie in (0, 1]"),
+                         (["--tau", "1.5"], "--tau and --iso-taus must lie in (0, 1]"),
+                         (["--iso-taus", "0.8", "0"], "--tau and --iso-taus must lie in (0, 1]"),
                          (["--length", "1000"], "--length=1000 must be a positive multiple of --block-size=64"),
                          (["--streams", "0"], "--streams, --devices and --threads must be at least 1"),
                          (["--ngram", "1"], "--ngram=1 must be at least 2"),
@@ -104,9 +105,11 @@ def test_split_files_reproduces_the_builders_split_and_overlap_is_found(tmp_path
         sf.split_files(_manifest(files, kind="synthetic"))
 
 
-def _evaluation(dense, sparse):
-    return {"dense_streams": dense, "dense_loss": sf._mean_loss(dense), "sparse_streams": sparse,
-            "sparse_loss": sf._mean_loss(sparse), "density": 0.3, "exact_recall": 0.85, "estimated_recall": 0.9}
+def _evaluation(dense, sparse, iso=()):
+    return {"dense_streams": dense, "dense_loss": sf._mean_loss(dense), "sparse_streams": sparse, "tau": 0.9,
+            "sparse_loss": sf._mean_loss(sparse), "density": 0.3, "exact_recall": 0.85, "estimated_recall": 0.9,
+            "iso": [{"tau": tau, "density": density, "sparse_loss": loss, "exact_recall": 0.8}
+                    for tau, density, loss in iso]}
 
 
 def test_gap_before_and_after_and_the_tables():
@@ -130,9 +133,27 @@ def test_gap_before_and_after_and_the_tables():
     assert lines[4].startswith("| sparse-ft | sparse | 2.3250 | 2.3750 | +5.56% | +2.15% |")
     assert "(44% of the gap closed); smaller on 2 of 2 streams." in lines[-1]
     assert lines[-1].endswith("leaves the dense-ft model a gap of +7.78% of its own.")
+    assert summary["iso_after"] is None and summary["iso_dense_ft_own"] is None  # no other taus scored
     runs = {"dense": {"train_loss": [2.0, 1.5]}, "sparse": {"train_loss": [2.2, 1.5], "density": [0.3, 0.25]}}
     assert sf.training_table(runs).splitlines()[2:] == ["| 1 | 2.0000 | 2.2000 | +10.00% | 0.300 |",
                                                         "| 2 | 1.5000 | 1.5000 | +0.00% | 0.250 |"]
+
+
+def test_losses_at_the_base_density_are_interpolated_between_taus():
+    base = _evaluation([(25.0, 10)], [(27.5, 10)])  # density 0.3, dense 2.5, sparse 2.75
+    dense_ft = _evaluation([(20.0, 10)], [(22.0, 10)], iso=[(0.85, 0.25, 2.4)])  # dense 2.0, sparse 2.2 at 0.3
+    sparse_ft = _evaluation([(20.5, 10)], [(21.0, 10)], iso=[(0.85, 0.2, 2.3)])
+    sparse_ft["density"] = 0.4  # tau 0.9 keeps more after sparse training: 0.3 lies between 0.2 and 0.4
+    assert sf.iso_density(sparse_ft, 0.3) == pytest.approx(2.2)
+    assert sf.iso_density(sparse_ft, 0.5) is None
+    assert sf.iso_density(dense_ft, 0.3) == pytest.approx(2.2)  # a tau's own density: its loss
+    rows, summary = sf.table_rows(base, dense_ft, sparse_ft)
+    assert summary["iso_after"] == pytest.approx(0.1) and summary["iso_dense_ft_own"] == pytest.approx(0.1)
+    text = sf.iso_table({"base": base, "dense-ft": dense_ft, "sparse-ft": sparse_ft}, summary).splitlines()
+    assert text[2:4] == ["| base | 0.9 | 0.300 | 0.850 | 2.7500 | +10.00% |",
+                         "| dense-ft | 0.85 | 0.250 | 0.800 | 2.4000 | +20.00% |"]
+    assert text[-1] == ("At the base model's density 0.300 (interpolated between taus): sparse-ft vs dense-ft dense "
+                        "+10.00%, dense-ft's own gap +10.00%; before +10.00%.")
 
 
 def test_phases_are_reused_only_with_the_same_settings(tmp_path):
