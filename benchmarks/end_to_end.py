@@ -234,9 +234,18 @@ def merge_rounds(summaries: list[dict]) -> dict:
     return {key: median(key, value) for key, value in summaries[0].items()}
 
 
-def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_index: int):
+#: Where an emulated variant keeps the state its cost model and DST controller start the epoch with.
+CALIBRATED_STATE = "calibrated_state.json"
+
+
+def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_index: int, calibrated: Path | None = None):
     """A variant's model, data module, Trainer, DST controller and epoch plan for ``--ranks`` ranks, set up as a
-    real run would be before its first step (``benchmarks/simulate.py`` predicts the same plan's times)."""
+    real run would be before its first step (``benchmarks/simulate.py`` predicts the same plan's times).
+
+    The ``--calibrate-steps`` steps run here, and the cost model's and controller's state after them is written
+    to ``CALIBRATED_STATE`` in the variant's folder with the ranks' times against their predictions in those
+    steps after the first (``residuals``, per step and rank, log of measured over predicted); with ``calibrated``
+    (such a file) that state is loaded instead, so a prediction starts from what the measured epoch started from."""
     from sparsebalance_pl.callbacks.controller import DSTController
     from sparsebalance_pl.emulation import EmulatedRanks, build, step_batches
 
@@ -250,10 +259,21 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
         module.calibrate_density(data.calibration_batches(min_length=module.attention_config.block_size))
     p = args.p if variant_p is None else variant_p
     controller = DSTController(module.cost_model, module.base_budgets, anchor=args.anchor, p=p)
-    if args.calibrate_steps:
-        calibration, items = EmulatedRanks(module, args.ranks, 1, controller=controller), data.items("train")
-        for step in data.train_plan(args.ranks, rank=0, epoch=1).plan()[: args.calibrate_steps]:
-            calibration.step(step_batches(items, step), update=False)
+    if calibrated is not None:
+        state = json.loads(calibrated.read_text())
+        module.cost_model.load_state_dict(state["cost_model"])
+        controller.load_state_dict(state["controller"])
+    else:
+        residuals: list[list[float]] = []
+        if args.calibrate_steps:
+            calibration, items = EmulatedRanks(module, args.ranks, 1, controller=controller), data.items("train")
+            for i, step in enumerate(data.train_plan(args.ranks, rank=0, epoch=1).plan()[: args.calibrate_steps]):
+                done = calibration.step(step_batches(items, step), update=False)
+                if i:  # the first step's predictions come from the uncalibrated table
+                    residuals.append([math.log(m / q) for m, q in zip(done.rank_seconds, done.predicted_seconds)])
+        state = {"cost_model": module.cost_model.state_dict(), "controller": controller.state_dict(),
+                 "residuals": residuals}
+        (run_dir / CALIBRATED_STATE).write_text(json.dumps(state, default=lambda array: array.tolist()))
     plan = data.train_plan(args.ranks, rank=0).plan()
     plan = plan if args.epoch_documents is not None else plan[: args.steps]
     return module, data, trainer, controller, plan

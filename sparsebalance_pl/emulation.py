@@ -67,6 +67,8 @@ class EmulatedStep:
             run logs as ``train/loss`` for each micro-batch).
         lengths: per rank, per micro-batch, the documents' token counts (the batches the planner gave it).
         observations: what the cost model made of each micro-batch round.
+        predicted_seconds: each rank's forward and backward as DST's controller predicted them before they ran
+            (NaN without a controller): how far a rank's time strays from its prediction.
     """
 
     rank_seconds: list[float]
@@ -76,6 +78,7 @@ class EmulatedStep:
     round_losses: list[float]
     lengths: list[list[list[int]]]
     observations: list[StepObservation]
+    predicted_seconds: list[float]
 
     @property
     def seconds(self) -> float:
@@ -133,6 +136,7 @@ class EmulatedRanks:
         module, device = self.module, self.module.device
         module.train()
         rank_seconds, round_losses, round_counts, tokens, observations = [0.0] * self.num_ranks, [], [], 0, []
+        predicted_seconds = [0.0 if self.controller is not None else math.nan] * self.num_ranks
         all_lengths: list[list[list[int]]] = [[] for _ in micro_batches]
         for m in range(rounds):
             batches = [move_data_to_device(rank[m], device) for rank in micro_batches]
@@ -146,6 +150,8 @@ class EmulatedRanks:
             records, round_seconds, round_loss = [], [], 0.0
             for rank, batch in enumerate(batches):
                 module.layer_budgets = decision.ranks[rank].budgets if decision else list(module.base_budgets)
+                if decision:
+                    predicted_seconds[rank] += decision.predicted[rank]
                 seconds, rank_loss = _timed(device, lambda: _forward_backward(module, batch, scale))
                 rank_seconds[rank] += seconds
                 round_seconds.append(seconds)
@@ -167,7 +173,8 @@ class EmulatedRanks:
             optimizer_seconds, _ = _timed(device, lambda: self._update(math.isfinite(loss)))
             if math.isfinite(loss):  # what the real run's optimizer_step teaches the cost model
                 module.cost_model.observe_step_overhead(optimizer_seconds)
-        return EmulatedStep(rank_seconds, optimizer_seconds, tokens, loss, round_losses, all_lengths, observations)
+        return EmulatedStep(rank_seconds, optimizer_seconds, tokens, loss, round_losses, all_lengths, observations,
+                            predicted_seconds)
 
     def warm_up(self, batch: dict) -> None:
         """One untimed forward and backward whose gradients are dropped: a process's first pays one-time costs

@@ -92,7 +92,7 @@ def test_end_to_end_benchmark_emulates_ranks_and_writes_every_step(tmp_path):
     run = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--ranks", "3", "--config",
          str(REPO / "configs" / "demo.yaml"), "--config", str(small), "--epoch-documents", "60", "--max-tokens", "512",
-         "--variants", "static", "sparsebalance", "--warmup", "1", "--out", str(out)],
+         "--variants", "static", "sparsebalance", "--warmup", "1", "--calibrate-steps", "2", "--out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -106,6 +106,15 @@ def test_end_to_end_benchmark_emulates_ranks_and_writes_every_step(tmp_path):
         assert variant["total_s"] == pytest.approx(sum(step["step_s"] for step in variant["steps"]))
         assert math.isfinite(variant["val_loss"]) and 0 < variant["recall"] <= 1
     assert (out / "results.md").exists() and (out / "imbalance.png").exists()
+    # the simulator predicts the same plans from the state each variant started its epoch with
+    check = subprocess.run([sys.executable, str(REPO / "benchmarks" / "simulate.py"), "check", "--emulated", str(out),
+                            "--out", str(tmp_path / "check")], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert check.returncode == 0, check.stderr[-3000:]
+    checked = json.loads((tmp_path / "check" / "check.json").read_text())
+    assert set(checked["rows"]) == {"static", "sparsebalance"} and checked["rank_noise"] >= 0
+    for name, row in checked["rows"].items():
+        measured = sum(max(step["rank_s"]) for step in results["variants"][name]["steps"])
+        assert row["measured_s"] == pytest.approx(measured) and row["predicted_s"] >= row["exact_s"] > 0
     rejected = subprocess.run([sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--ranks", "3",
                                "--report-only"], capture_output=True, text=True, timeout=60)
     assert rejected.returncode == 2 and "--report-only" in rejected.stderr

@@ -83,3 +83,19 @@ def test_a_step_without_update_teaches_the_cost_model_and_leaves_the_weights(mod
         assert torch.equal(p.detach(), before[name]) and p.grad is None, name
     assert ranks.scheduler.last_epoch == 0 and module.cost_model.overheads_observed == 0
     assert module.cost_model.warmup_left == 0 and module.cost_model.last_step is step.observations[-1]
+
+
+
+def test_a_step_keeps_each_ranks_predicted_time_from_the_controller(module):
+    from sparsebalance_pl.callbacks.controller import DSTController
+
+    without = EmulatedRanks(module, 2, total_steps=4).step([[_batch(0)], [_batch(1)]], update=False)
+    assert all(math.isnan(s) for s in without.predicted_seconds)
+    controller, decisions = DSTController(module.cost_model, module.base_budgets, p=0.0), []
+    plan = controller.plan
+    controller.plan = lambda lengths: decisions.append(plan(lengths)) or decisions[-1]
+    batches = [[_batch(0), _batch(2, (64,))], [_batch(1), _batch(3, (64,))]]
+    step = EmulatedRanks(module, 2, total_steps=4, controller=controller).step(batches, update=False)
+    # each rank's predictions of both micro-batch rounds add up, as its measured times do
+    assert len(decisions) == 2 and all(s > 0 for s in step.predicted_seconds)
+    assert step.predicted_seconds == pytest.approx([sum(d.predicted[r] for d in decisions) for r in range(2)])

@@ -43,3 +43,24 @@ def test_a_cluster_simulation_balances_where_the_baseline_cannot(tmp_path, capsy
     assert static["removable_imbalance"] > 1.05
     assert balanced["total_s"] < static["total_s"] and balanced["balance_efficiency"] > static["balance_efficiency"]
     assert "SIMULATION" in (tmp_path / "cluster.md").read_text() and "SIMULATION" in capsys.readouterr().out
+
+
+def test_rank_noise_is_a_robust_spread_of_the_log_errors_within_each_step():
+    rng = np.random.default_rng(0)
+    steps = 0.2 * rng.standard_normal((500, 8)) + rng.normal(0.0, 1.0, (500, 1))  # a shift all ranks share
+    assert simulate.rank_noise(steps.tolist()) == pytest.approx(0.2, rel=0.05)  # is not spread
+    outlier = steps[:5].copy()
+    outlier[0, 0] += 5.0
+    assert simulate.rank_noise(outlier.tolist()) < 0.3  # one descheduled rank does not set it
+    assert simulate.rank_noise([]) == 0.0 == simulate.rank_noise([[0.3]])
+    assert simulate.rank_noise_of_error(0.6745 * 0.2) == pytest.approx(0.2)
+
+
+def test_noisy_ranks_lengthen_balanced_steps_more_than_a_straggler_led_one():
+    balanced, straggler = [[1.0] * 8], [[3.0] + [1.0] * 7]
+    assert simulate.expected_epoch_seconds(balanced, 0.0) == 1.0
+    noisy = simulate.expected_epoch_seconds(balanced, 0.1)
+    assert 1.1 < noisy < 1.2  # E[max of 8 log-normals of spread 0.1] is about 1.15
+    assert simulate.expected_epoch_seconds([[1.0] * 64], 0.1) > noisy  # more ranks, a worse slowest
+    assert simulate.expected_epoch_seconds(straggler, 0.1) / 3.0 < noisy - 0.05
+    assert simulate.summary(balanced, 100, 0.1)["exact_s"] == 1.0
