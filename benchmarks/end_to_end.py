@@ -97,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "is built for it under its own folder")
     parser.add_argument("--p", type=float, default=0.1, help="DST bound around the base budget")
     parser.add_argument("--anchor", default="mean")
+    parser.add_argument("--recall-tolerance", type=float, default=0.02,
+                        help="the adaptive anchor's allowance for predicted loss of token-weighted recall")
     parser.add_argument("--recall-rows", type=int, default=64)
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--devices", type=int, default=None, help="default: the configuration's")
@@ -144,7 +146,8 @@ def variant_config(base: dict, name: str, args: argparse.Namespace, run_dir: Pat
         "init_args": {"save_dir": str(run_dir), "name": "logs", "version": 0},
     }
     dst = {"class_path": "sparsebalance_pl.callbacks.DynamicSparsityTuning",
-           "init_args": {"anchor": args.anchor, "p": args.p if p is None else p}}
+           "init_args": {"anchor": args.anchor, "p": args.p if p is None else p,
+                         "recall_tolerance": args.recall_tolerance}}
     trainer["callbacks"] = [{"class_path": "sparsebalance_pl.callbacks.DensityCalibration"}, dst]
     model = cfg["model"]
     model["attention"]["backend"] = backend
@@ -258,7 +261,8 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
     if backend == "sparse":  # what the DensityCalibration callback does before a real run plans its epoch
         module.calibrate_density(data.calibration_batches(min_length=module.attention_config.block_size))
     p = args.p if variant_p is None else variant_p
-    controller = DSTController(module.cost_model, module.base_budgets, anchor=args.anchor, p=p)
+    controller = DSTController(module.cost_model, module.base_budgets, anchor=args.anchor, p=p,
+                               recall_tolerance=args.recall_tolerance)
     if calibrated is not None:
         state = json.loads(calibrated.read_text())
         module.cost_model.load_state_dict(state["cost_model"])
