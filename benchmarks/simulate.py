@@ -35,8 +35,8 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -200,7 +200,7 @@ def cluster_table(result: dict) -> str:
     lines = [
         f"SIMULATION (predicted, not measured); latency: {result['latency']}. Epoch time per variant, "
         f"speed-up against `{BASELINE}` (static sparse, first-fit) in brackets; bound = the baseline's removable "
-        "imbalance (the most any balancing can gain).",
+        "imbalance (the most any balancing can gain; with rank noise, part of it no plan can remove).",
         "",
         "| data | tokens | ranks | bound | " + " | ".join(names) + " |",
         "|---|---|---|---|" + "---|" * len(names),
