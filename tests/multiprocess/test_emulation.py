@@ -107,8 +107,11 @@ def test_end_to_end_benchmark_emulates_ranks_and_writes_every_step(tmp_path):
         assert math.isfinite(variant["val_loss"]) and 0 < variant["recall"] <= 1
     assert (out / "results.md").exists() and (out / "imbalance.png").exists()
     # the simulator predicts the same plans from the state each variant started its epoch with
-    check = subprocess.run([sys.executable, str(REPO / "benchmarks" / "simulate.py"), "check", "--emulated", str(out),
-                            "--out", str(tmp_path / "check")], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    check = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "simulate.py"), "check", "--emulated", str(out),
+         "--out", str(tmp_path / "check")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
     assert check.returncode == 0, check.stderr[-3000:]
     checked = json.loads((tmp_path / "check" / "check.json").read_text())
     assert set(checked["rows"]) == {"static", "sparsebalance"} and checked["rank_noise"] >= 0
