@@ -241,14 +241,15 @@ def merge_rounds(summaries: list[dict]) -> dict:
 CALIBRATED_STATE = "calibrated_state.json"
 
 
-def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_index: int, calibrated: Path | None = None):
+def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_index: int, calibrated: dict | None = None):
     """A variant's model, data module, Trainer, DST controller and epoch plan for ``--ranks`` ranks, set up as a
     real run would be before its first step (``benchmarks/simulate.py`` predicts the same plan's times).
 
     The ``--calibrate-steps`` steps run here, and the cost model's and controller's state after them is written
     to ``CALIBRATED_STATE`` in the variant's folder with the ranks' times against their predictions in those
     steps after the first (``residuals``, per step and rank, log of measured over predicted); with ``calibrated``
-    (such a file) that state is loaded instead, so a prediction starts from what the measured epoch started from."""
+    (such a file's contents) that state is loaded instead, so a prediction starts from what the measured epoch
+    started from."""
     from sparsebalance_pl.callbacks.controller import DSTController
     from sparsebalance_pl.emulation import EmulatedRanks, build, step_batches
 
@@ -264,9 +265,8 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
     controller = DSTController(module.cost_model, module.base_budgets, anchor=args.anchor, p=p,
                                recall_tolerance=args.recall_tolerance)
     if calibrated is not None:
-        state = json.loads(calibrated.read_text())
-        module.cost_model.load_state_dict(state["cost_model"])
-        controller.load_state_dict(state["controller"])
+        module.cost_model.load_state_dict(calibrated["cost_model"])
+        controller.load_state_dict(calibrated["controller"])
     else:
         residuals: list[list[float]] = []
         if args.calibrate_steps:

@@ -100,21 +100,25 @@ def predicted_epoch(plan: EpochPlan, lengths: np.ndarray, controller: DSTControl
     return steps
 
 
+#: The median of |z| for a standard normal z: a log-normal spread s has median |log| of 0.6745 s.
+MEDIAN_ABS_NORMAL = 0.6745
+
+
 def rank_noise(log_errors: Sequence[Sequence[float]]) -> float:
     """The log-normal spread of ranks' times around their predictions, from log(measured / predicted) per step
     and rank. Each step's errors are taken about their mean: an error all ranks of a step share moves the
-    epoch's time, not its balance. A robust standard deviation (1.4826 times the median absolute deviation,
-    corrected for the centring), so one descheduled rank does not set it."""
+    epoch's time, not its balance. A robust standard deviation (the median absolute deviation over
+    ``MEDIAN_ABS_NORMAL``, corrected for the centring), so one descheduled rank does not set it."""
     deviations = [np.asarray(step, dtype=np.float64) - np.mean(step) for step in log_errors if len(step) > 1]
     if not deviations:
         return 0.0
     scaled = np.concatenate([d * math.sqrt(d.size / (d.size - 1)) for d in deviations])
-    return 1.4826 * float(np.median(np.abs(scaled - np.median(scaled))))
+    return float(np.median(np.abs(scaled - np.median(scaled)))) / MEDIAN_ABS_NORMAL
 
 
 def rank_noise_of_error(error: float) -> float:
     """The log-normal spread whose median |log| is ``error`` (the cost model's ``error``)."""
-    return error / 0.6745
+    return error / MEDIAN_ABS_NORMAL
 
 
 def expected_epoch_seconds(steps: list[list[float]], noise: float, draws: int = 2000, seed: int = 0) -> float:
@@ -134,7 +138,7 @@ def summary(steps: list[list[float]], tokens: int, noise: float = 0.0) -> dict:
     return {
         "steps": len(steps),
         "total_s": total,
-        "exact_s": sum(max(r) for r in steps),
+        "exact_s": expected_epoch_seconds(steps, 0.0),
         "rank_noise": noise,
         "tokens": tokens,
         "tokens_per_s": tokens / total,
@@ -223,12 +227,14 @@ def check_against_emulation(args: argparse.Namespace) -> dict:
     e2e_args = end_to_end.parse_args([*emulated["argv"], "--out", str(args.out / "setup")])  # the last --out wins
     base = end_to_end.merged_configs(e2e_args.config)
     names = [v for v in args.variants if v in measured]
-    states = {name: args.emulated / f"{name}-round0" / end_to_end.CALIBRATED_STATE for name in names}
-    for state in states.values():
-        if not state.is_file():
-            raise SystemExit(f"{state} is missing: the emulated run predates the calibrated state; run it again")
+    states = {}
+    for name in names:
+        path = args.emulated / f"{name}-round0" / end_to_end.CALIBRATED_STATE
+        if not path.is_file():
+            raise SystemExit(f"{path} is missing: the emulated run predates the calibrated state; run it again")
+        states[name] = json.loads(path.read_text())
     # one machine, one model: every variant's calibration steps measure the same spread
-    noise = rank_noise([step for state in states.values() for step in json.loads(state.read_text())["residuals"]])
+    noise = rank_noise([step for state in states.values() for step in state["residuals"]])
     rows = {}
     for name in names:
         _, data, _, controller, plan = end_to_end.prepare_emulated(base, name, e2e_args, 0, calibrated=states[name])

@@ -85,7 +85,6 @@ def test_a_step_without_update_teaches_the_cost_model_and_leaves_the_weights(mod
     assert module.cost_model.warmup_left == 0 and module.cost_model.last_step is step.observations[-1]
 
 
-
 def test_a_step_keeps_each_ranks_predicted_time_from_the_controller(module):
     from sparsebalance_pl.callbacks.controller import DSTController
 
