@@ -223,6 +223,11 @@ def test_a_table_is_matched_on_its_selection_options(tmp_path):
         assert LatencyModel.from_file(table, DEMO, selection={"local_blocks": 1}) is not None
         with pytest.raises(LatencyTableError, match="selection estimate: table 'antidiagonal' != run 'sampled'"):
             LatencyModel.from_file(table, DEMO, selection={"estimate": "sampled"})
+    newer = json.loads(path.read_text())
+    newer["table"]["meta"]["selection"]["rank"] = "peak"  # an option this version does not know: re-profile
+    (tmp_path / "newer.json").write_text(json.dumps(newer))
+    with pytest.raises(LatencyTableError, match="selection options of the table: unknown selection options"):
+        LatencyModel.from_file(tmp_path / "newer.json", DEMO, selection={})
     probed = LatencyModel.analytic(DEMO, block_size=64, stride=16, selection={"recall_probes": 2})
     assert probed.table.meta.selection["recall_probes"] == 2
     assert np.all(probed.table.selection > analytic().table.selection)  # probe rows cost scoring time
