@@ -223,7 +223,9 @@ class OnlineCalibration:
     Working on log scales keeps them positive and makes a common error (a table from slower hardware) a
     single direction that one observation corrects. The prior covariance is ``common**2 * 11^T +
     term**2 * I``: the whole table may be off by a factor, and each term on its own. ``forgetting`` < 1
-    lets the fit follow drift; residuals beyond ``huber`` times their running size are down-weighted so a
+    lets the fit follow drift, once per measurement round (``forget``: every observation by default; a
+    caller that learns many ranks' micro-batches of one step at once forgets once for all of them, or the
+    fit's memory would shrink as ranks are added, to about one step at 8 ranks); residuals beyond ``huber`` times their running size are down-weighted so a
     single disturbed measurement (a busy machine) barely moves the fit. ``noise`` 0.1 is the scatter of
     step times on a shared CPU, and ``term`` 0.5 keeps each term within about 1.6x of the others a priori:
     with 0.05 and 1.0 two observations of similar batches swung one term far enough to push the held-out
@@ -252,8 +254,9 @@ class OnlineCalibration:
     def scales(self) -> np.ndarray:
         return np.exp(self.log_scales)
 
-    def update(self, raw_terms: np.ndarray, seconds: float) -> None:
-        """One observation: ``raw_terms`` are the unscaled term times of the batch, ``seconds`` the measured time."""
+    def update(self, raw_terms: np.ndarray, seconds: float, forget: bool = True) -> None:
+        """One observation: ``raw_terms`` are the unscaled term times of the batch, ``seconds`` the measured time;
+        ``forget=False`` leaves the forgetting to a later ``forget`` call."""
         scaled = raw_terms * self.scales
         predicted = scaled.sum()
         if predicted <= 0 or seconds <= 0 or not math.isfinite(seconds):
@@ -265,13 +268,22 @@ class OnlineCalibration:
             noise_var *= abs(residual) / (self.huber * self.residual_size)
         gain = self.cov @ shares / (noise_var + shares @ self.cov @ shares)
         self.log_scales = np.clip(self.log_scales + gain * residual, -7.0, 7.0)
-        cov = (self.cov - np.outer(gain, shares @ self.cov)) / self.forgetting
-        cov = 0.5 * (cov + cov.T)
-        prior_trace = np.trace(self.prior_cov())
-        self.cov = cov * min(1.0, prior_trace / np.trace(cov))  # forgetting must not wind up unexcited terms
+        cov = self.cov - np.outer(gain, shares @ self.cov)
+        self.cov = 0.5 * (cov + cov.T)
+        if forget:
+            self.forget()
         size = max(abs(residual), self.noise)
         self.residual_size = size if self.residual_size is None else 0.8 * self.residual_size + 0.2 * size
         self.count += 1
+
+    def forget(self) -> None:
+        """Stabilised forgetting: the information measured so far decays by ``forgetting`` toward the prior's,
+        ``P^-1 <- forgetting P^-1 + (1 - forgetting) P0^-1``. Directions the measurements excite follow drift;
+        one they do not excite (per-token against per-micro-batch cost when every micro-batch holds about as
+        many tokens) relaxes to its prior instead of growing past it, where one unusual batch would swing it."""
+        information = self.forgetting * np.linalg.inv(self.cov)
+        cov = np.linalg.inv(information + (1.0 - self.forgetting) * np.linalg.inv(self.prior_cov()))
+        self.cov = 0.5 * (cov + cov.T)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -431,13 +443,20 @@ class LatencyModel:
         return np.exp(x)
 
     def observe(
-        self, doc_lengths: ArrayLike, density: ArrayLike, seconds: float, *, terms: Sequence[str] = TERMS
+        self,
+        doc_lengths: ArrayLike,
+        density: ArrayLike,
+        seconds: float,
+        *,
+        terms: Sequence[str] = TERMS,
+        forget: bool = True,
     ) -> float:
         """Correct the model from one measured time; returns the prediction made before the update.
 
         ``terms`` names what ``seconds`` covers when it is not the whole forward+backward (for example
         ``("attention", "selection")`` for timings of the attention calls alone, which are free of
-        collectives under FSDP, where a fast rank's whole step waits for the slowest).
+        collectives under FSDP, where a fast rank's whole step waits for the slowest). ``forget=False``: one
+        of several measurements of one round, whose caller calls ``calibration.forget()`` once after them.
         """
         unknown = set(terms) - set(TERMS)
         if unknown:
@@ -445,7 +464,7 @@ class LatencyModel:
         mask = np.array([name in terms for name in TERMS], dtype=np.float64)
         raw = self._raw_terms(doc_lengths, density) * mask
         before = float(raw @ self.calibration.scales)
-        self.calibration.update(raw, float(seconds))
+        self.calibration.update(raw, float(seconds), forget=forget)
         return before
 
     # -------------------------------------------------------------------------------------- persistence

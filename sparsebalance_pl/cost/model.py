@@ -202,7 +202,8 @@ class CostModel:
 
         Each rank's speed follows its measured over predicted attention compute (its time less its ring waits)
         relative to the other ranks'; the latency model is calibrated on each rank's compute at the nominal
-        speed (a term's scale and a rank's speed together moving by at most ``MAX_STEP_CORRECTION`` per step);
+        speed (a term's scale and a rank's speed together moving by at most ``MAX_STEP_CORRECTION`` per step;
+        its forgetting applied once for the step, so its memory counts steps whatever the number of ranks);
         the ring's cost learns from each context-parallel group's least wait; the density estimator learns each
         document's density at the base budget; ``error`` follows how far the predictions made before this step
         were off. Times of the first ``warmup_steps`` calls are left out.
@@ -237,11 +238,14 @@ class CostModel:
         for rank, record in enumerate(records):
             if valid[rank]:
                 seconds = compute[rank] / (self.speed(rank) * record.share)  # the whole documents' time
-                self.latency.observe(record.lengths, record.report.mean_density, seconds, terms=TIMED_TERMS)
+                density = record.report.mean_density
+                self.latency.observe(record.lengths, density, seconds, terms=TIMED_TERMS, forget=False)
                 rest = math.nan if whole_seconds is None else (whole_seconds[rank] - measured[rank]) / record.share
                 if rest > 0 and math.isfinite(rest):
-                    self.latency.observe(record.lengths, record.report.mean_density, rest, terms=UNTIMED_TERMS)
+                    self.latency.observe(record.lengths, density, rest, terms=UNTIMED_TERMS, forget=False)
             self._observe_density(record.lengths, record.report.base_document_density)
+        if valid.any():  # the ranks' micro-batches of a step are one round of measurements
+            calibration.forget()
         self._bound_correction(before, speeds_before)
         if valid.all():
             self._observe_ring(records)

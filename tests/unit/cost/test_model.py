@@ -178,3 +178,37 @@ def test_whole_rank_times_teach_the_terms_attention_timing_leaves_out():
 
     assert error(taught) < 0.05 < 0.3 < error(timed_only)
     assert taught.timed_seconds(LONG, 0.3) == pytest.approx(truth.timed_seconds(LONG, 0.3), rel=0.05)
+
+
+
+def test_the_calibration_forgets_per_step_whatever_the_rank_count():
+    """After the hardware slows down, 1 rank and 16 ranks per step track it alike, step for step: the filter
+    forgets once per step, not once per rank's measurement."""
+    batches = [(LONG, 0.3), (SHORT, 0.5), ([2048, 1024], 0.4), ([1024] * 3, 0.6)]
+    before = CostModel(LatencyModel(_cost().latency.table.scaled([2.0, 1.5, 1.0, 2.0])))
+    after = CostModel(LatencyModel(_cost().latency.table.scaled([2.6, 1.95, 1.0, 2.0])))
+
+    def error_after_drift(ranks: int) -> float:
+        cost = _cost()
+        for step in range(40):
+            truth = before if step < 30 else after
+            chosen = [batches[(step + r) % len(batches)] for r in range(ranks)]
+            records = [_record(truth, lengths, density) for lengths, density in chosen]
+            cost.observe(records, whole_seconds=[truth.latency.predict(r.lengths, r.report.mean_density)
+                                                 for r in records])
+        return max(abs(np.log(cost.latency.predict(ls, d) / after.latency.predict(ls, d))) for ls, d in batches)
+
+    one, many = error_after_drift(1), error_after_drift(16)
+    assert 0.01 < one < 0.2 and 0.8 < many / one < 1.25
+
+
+def test_a_direction_no_batch_excites_stays_within_its_prior():
+    """Every micro-batch with the same tokens cannot tell per-token from per-micro-batch cost; forgetting must
+    not widen that direction past its prior, where one batch of another size would swing the two terms."""
+    calibration = _cost().latency.calibration
+    raw = np.array([1.0, 0.5, 0.1, 0.2])
+    for _ in range(300):
+        calibration.update(raw * np.exp(0.05), float(raw.sum()))
+    excess = np.linalg.eigvalsh(calibration.cov - calibration.prior_cov())
+    assert excess.max() < 1e-9
+    assert raw @ calibration.cov @ raw < 0.01 * raw @ calibration.prior_cov() @ raw  # the excited one is learned
