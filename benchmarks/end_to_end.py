@@ -32,8 +32,9 @@ real planner plans for N ranks, each rank's micro-batch runs forward and backwar
 (one controller for all), gradients add up under the global-token normalisation and one optimiser step follows.
 A step's time is its slowest rank's measured compute plus the measured optimiser time; the collectives are left
 out and estimated apart (a ring all-reduce of the gradients at ``--bandwidth-gbps``). Then ``results.json`` holds
-``{"variants": {name: {"steps": [{"rank_s", "step_s", "tokens"}], "total_s", "tokens", "val_loss", "recall",
-...}}, "regime": {...}}``:
+``{"variants": {name: {"steps": [{"rank_s", "step_s", "tokens", "rounds"}], "total_s", "tokens", "val_loss",
+"recall", ...}}, "regime": {...}}`` (``rounds``: what the cost model learned from each micro-batch round, which
+``benchmarks/simulate.py check`` replays):
 
     python benchmarks/end_to_end.py --ranks 8 --config configs/demo.yaml --config configs/narrow16k.yaml \
         --epoch-documents 400 --out outputs/e2e_emulated_8
@@ -326,7 +327,8 @@ def emulate_variant(base: dict, name: str, args: argparse.Namespace, round_index
             "imbalance": [(i, imbalance(r)) for i, r in enumerate(rank_s)],
             "loss": [(i, step.loss) for i, step in enumerate(done)],
         },
-        "steps_detail": [{"rank_s": step.rank_seconds, "step_s": step.seconds, "tokens": step.tokens} for step in done],
+        "steps_detail": [{"rank_s": step.rank_seconds, "step_s": step.seconds, "tokens": step.tokens,
+                          "rounds": [o.replay_dict() for o in step.observations]} for step in done],
     }
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -96,16 +96,24 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class StepObservation:
-    """One step as ``CostModel.observe`` saw it: every rank's record (rank order), and the timed seconds the
-    model predicted for each rank before it learned from them, beside the measured ones."""
+    """One step as ``CostModel.observe`` saw it: every rank's record (rank order), the timed seconds the model
+    predicted for each rank before it learned from them, beside the measured ones, and each rank's whole
+    forward and backward where it was timed (``observe``'s ``whole_seconds``; None otherwise): all a replay
+    of the step into another cost model needs."""
 
     records: list[StepRecord]
     predicted: np.ndarray
     measured: np.ndarray
+    whole_seconds: list[float] | None = None
 
     @property
     def measured_imbalance(self) -> float:
         return imbalance(self.measured)
+
+    def replay_dict(self) -> dict[str, Any]:
+        """The records and whole seconds as JSON-able data (``CostModel.replay`` learns from it again)."""
+        records = [{"lengths": r.lengths, "share": r.share, "report": asdict(r.report)} for r in self.records]
+        return {"records": records, "whole_seconds": self.whole_seconds}
 
 
 def _group_size(share: float) -> int:
@@ -249,8 +257,14 @@ class CostModel:
         self._bound_correction(before, speeds_before)
         if valid.all():
             self._observe_ring(records)
-        self.last_step = StepObservation(records, predicted, measured)
+        whole = None if whole_seconds is None else [float(x) for x in whole_seconds]
+        self.last_step = StepObservation(records, predicted, measured, whole)
         return self.last_step
+
+    def replay(self, step: Mapping[str, Any]) -> StepObservation:
+        """``observe`` a step saved by ``StepObservation.replay_dict``, as if it were measured now."""
+        records = [StepRecord(r["lengths"], SparsityReport(**r["report"]), r["share"]) for r in step["records"]]
+        return self.observe(records, whole_seconds=step["whole_seconds"])
 
     def _observe_ring(self, records: Sequence[StepRecord]) -> None:
         """Each context-parallel group (W neighbouring ranks that each did 1 / W) teaches the ring's cost its

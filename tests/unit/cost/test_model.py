@@ -212,3 +212,15 @@ def test_a_direction_no_batch_excites_stays_within_its_prior():
     excess = np.linalg.eigvalsh(calibration.cov - calibration.prior_cov())
     assert excess.max() < 1e-9
     assert raw @ calibration.cov @ raw < 0.01 * raw @ calibration.prior_cov() @ raw  # the excited one is learned
+
+
+def test_a_saved_step_replays_into_the_same_state():
+    """``StepObservation.replay_dict`` through JSON and ``CostModel.replay`` teach what ``observe`` taught."""
+    truth = CostModel(LatencyModel(_cost().latency.table.scaled([2.0, 1.5, 1.0, 2.0])))
+    live, replayed = _cost(), _cost()
+    for lengths, density in [(LONG, 0.3), (SHORT, 0.5), ([2048, 1024], 0.4)]:
+        records = [_record(truth, lengths, density), _record(truth, SHORT, density, slower=1.2)]
+        whole = [2 * r.report.attention_seconds for r in records]
+        saved = json.loads(json.dumps(live.observe(records, whole_seconds=whole).replay_dict()))
+        replayed.replay(saved)
+    assert json.dumps(replayed.state_dict(), sort_keys=True) == json.dumps(live.state_dict(), sort_keys=True)
