@@ -10,6 +10,11 @@ trained one sharply, which is what decides the selected density.
     python benchmarks/model_step.py --lengths 4096                       # the demo's longest micro-batch
     python benchmarks/model_step.py --init outputs/sharp/hf --lengths 4096
     python benchmarks/model_step.py --preset qwen2.5-0.5b --lengths 32768 --dtype bf16   # on a GPU
+    python benchmarks/model_step.py --init data/smollm2-135m --lengths 4096 --taus 0.9 \
+        --attention "quality:block_size=32,estimate=sampled,stride=8,recall_probes=1,tau=0.85"
+
+``--attention NAME:field=value,...`` adds a sparse variant with those ``AttentionConfig`` fields (selection options,
+block size, stride, tau), so the cost of a selection setting is timed beside the default's.
 """
 
 from __future__ import annotations
@@ -44,7 +49,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--attention", nargs="*", default=[], metavar="NAME:FIELD=VALUE,...",
+                        help="extra sparse variants given by AttentionConfig fields")
     return parser.parse_args(argv)
+
+
+def attention_variant(spec: str) -> tuple[str, AttentionConfig]:
+    """``NAME:field=value,...`` as a named ``AttentionConfig`` (numbers and true/false parsed, else strings)."""
+    name, _, fields = spec.partition(":")
+    settings = {}
+    for item in filter(None, fields.split(",")):
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--attention {spec!r}: {item!r} is not field=value")
+        settings[key] = _value(text)
+    try:
+        return name, AttentionConfig(**settings)
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"--attention {spec!r}: {err}") from None
+
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def build(args: argparse.Namespace, attention: AttentionConfig) -> SparseQwen:
@@ -62,6 +93,7 @@ def main(argv=None) -> None:
     variants = {"dense": AttentionConfig(backend="dense")}
     variants.update({f"sparse tau={t:g}": AttentionConfig(tau=t) for t in args.taus})
     variants.update({f"sparse cap={d:g}": AttentionConfig(tau=1.0, max_density=d) for d in args.max_densities})
+    variants.update(attention_variant(spec) for spec in args.attention)
     modules = {name: build(args, cfg) for name, cfg in variants.items()}
     vocab = next(iter(modules.values())).dims.vocab_size
     rng = np.random.default_rng(0)
