@@ -6,8 +6,9 @@ each rank's time is what the cost model predicts for its documents at its budget
 as its slowest rank (collectives and the optimiser left out, as in the emulation). A rank's time strays from
 its prediction by a log-normal factor (``rank_noise``): a balanced step lasts as long as the rank the cost
 model under-predicted most, which exact predictions would hide. No model runs, so 64 ranks at 128K tokens take
-seconds. What it cannot show: a cost model wrong in a systematic way, and no online correction (the
-predictions stay those of the starting table and densities).
+seconds. What it cannot show: a cost model wrong in a systematic way, and no online correction of the table
+(the predictions stay those of the starting table and densities; only the cost model's error, which sets how
+far DST trusts them, settles to the ranks' noise as in a run).
 
 Cluster runs (``cluster``): lengths drawn from the WLB-LLM and ProLong distributions (../shared/data, built in),
 scaled so that their 99th percentile lands on ``--max-tokens``; Qwen2.5-0.5B dimensions; latency from a table
@@ -90,14 +91,20 @@ def density_law(block_size: int, density: float, at_tokens: int, exponent: float
                             exponent=exponent)
 
 
-def predicted_epoch(plan: EpochPlan, lengths: np.ndarray, controller: DSTController) -> list[list[float]]:
+def predicted_epoch(plan: EpochPlan, lengths: np.ndarray, controller: DSTController, noise: float = 0.0,
+                    seed: int = 0) -> list[list[float]]:
     """Every step's predicted seconds per rank: each micro-batch round's budgets from ``controller`` as DST
-    picks them in training, each rank's time the cost model's prediction at them."""
-    steps = []
+    picks them in training, each rank's time the cost model's prediction at them. After each round the cost
+    model's ``error`` learns the ranks' log-normal stray of spread ``noise`` (drawn, seeded), as a live run's
+    learns its measured one: DST trusts its predictions as much as the run would by then (a model started with
+    a few calibration steps' large error would otherwise hold DST back all epoch)."""
+    rng, steps = np.random.default_rng(seed), []
     for step in plan:
         rank_s = np.zeros(len(step.micro_batches))
         for m in range(len(step.micro_batches[0])):
             rank_s += controller.plan([_lengths(rank[m], lengths) for rank in step.micro_batches]).predicted
+            if noise > 0:
+                controller.cost_model.track_error(np.abs(noise * rng.standard_normal(len(step.micro_batches))))
         steps.append(rank_s.tolist())
     return steps
 
@@ -184,8 +191,9 @@ def simulate_cluster(args: argparse.Namespace) -> dict:
                                             defer_window=args.defer_window if batching == "sab" else 0)
                     plan = SparsityAwareSampler(lengths, config, cost_model=cost, seed=args.seed,
                                                 num_replicas=ranks, rank=0).plan()
-                    results[name] = summary(predicted_epoch(plan, lengths, controller), plan_tokens(plan, lengths),
-                                            noise=rank_noise_of_error(args.prediction_error))
+                    noise = rank_noise_of_error(args.prediction_error)
+                    results[name] = summary(predicted_epoch(plan, lengths, controller, noise, args.seed),
+                                            plan_tokens(plan, lengths), noise=noise)
                 rows.append({"data": data, "max_tokens": max_tokens, "ranks": ranks, "variants": results})
                 print(row_line(rows[-1]), flush=True)
     return {"kind": "cluster simulation", "latency": args.latency or "h100_latency", "rows": rows}
@@ -242,17 +250,19 @@ def check_against_emulation(args: argparse.Namespace) -> dict:
         _, data, _, controller, plan = end_to_end.prepare_emulated(base, name, e2e_args, 0, calibrated=states[name])
         lengths = np.asarray(data.lengths("train"))
         tokens = plan_tokens(plan, lengths)
-        predicted = summary(predicted_epoch(plan, lengths, controller), tokens, noise)
+        predicted = summary(predicted_epoch(plan, lengths, controller, noise), tokens, noise)
         got = measured[name]
         compute = sum(max(step["rank_s"]) for step in got["steps"])  # the emulation's step less its optimiser
         rows[name] = {"predicted_s": predicted["total_s"], "exact_s": predicted["exact_s"],
                       "measured_s": compute, "error": predicted["total_s"] / compute - 1.0,
                       "predicted_bound": predicted["removable_imbalance"],
                       "measured_bound": compute / sum(statistics.fmean(s["rank_s"]) for s in got["steps"])}
-        controller.load_state_dict(states[name]["controller"])  # planning moved its shifts: start over
+        # planning moved the controller's shifts and the cost model's error: start over from the saved state
+        controller.load_state_dict(states[name]["controller"])
+        controller.cost_model.load_state_dict(states[name]["cost_model"])
         replayed = fit_on_others(controller.cost_model, measured, name)
         if replayed:
-            held_out = summary(predicted_epoch(plan, lengths, controller), tokens, noise)["total_s"]
+            held_out = summary(predicted_epoch(plan, lengths, controller, noise), tokens, noise)["total_s"]
             rows[name].update(held_out_s=held_out, held_out_error=held_out / compute - 1.0, replayed_rounds=replayed)
         print(f"  {name}: predicted {predicted['total_s']:.1f} s, measured {compute:.1f} s "
               f"({rows[name]['error']:+.1%}; fitted on the other variants: "

@@ -236,7 +236,7 @@ class CostModel:
             self.warmup_left -= 1
             valid[:] = False
         if valid.any():
-            self._track_error(np.abs(np.log(measured[valid] / predicted[valid])))
+            self.track_error(np.abs(np.log(measured[valid] / predicted[valid])))
         speeds_before = self.log_speeds.copy()
         if valid.all():
             relative = np.log(compute / nominal)
@@ -288,8 +288,9 @@ class CostModel:
         speed_moves = np.clip(self.log_speeds - speeds_before, -bound - timed.min(), bound - timed.max())
         self.log_speeds = speeds_before + speed_moves
 
-    def _track_error(self, step_errors: np.ndarray) -> None:
-        """``error``: a running mean of the step's median |log(measured / predicted)|, the uncalibrated start
+    def track_error(self, step_errors: np.ndarray) -> None:
+        """``error`` learns one step's |log(measured / predicted)| per rank (``observe`` calls it; a simulation
+        without measurements may too): a running mean of the step's median, the uncalibrated start
         counting as one step, then an average over about the last three steps (it must follow a calibration
         that converges within a few steps)."""
         self.steps_observed += 1

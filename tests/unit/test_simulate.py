@@ -11,6 +11,11 @@ from main_runner import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 import simulate  # noqa: E402
 
+from sparsebalance_pl.callbacks.controller import DSTController  # noqa: E402
+from sparsebalance_pl.cost import CostModel  # noqa: E402
+from sparsebalance_pl.datamodules.sampler import BatchingConfig, SparsityAwareSampler  # noqa: E402
+from sparsebalance_pl.datamodules.synthetic import LengthPrior  # noqa: E402
+from sparsebalance_pl.kernels.selection import LayerBudget  # noqa: E402
 from sparsebalance_pl.model import PRESETS  # noqa: E402
 
 
@@ -64,3 +69,24 @@ def test_noisy_ranks_lengthen_balanced_steps_more_than_a_straggler_led_one():
     assert simulate.expected_epoch_seconds([[1.0] * 64], 0.1) > noisy  # more ranks, a worse slowest
     assert simulate.expected_epoch_seconds(straggler, 0.1) / 3.0 < noisy - 0.05
     assert simulate.summary(balanced, 100, 0.1)["exact_s"] == 1.0
+
+
+def test_the_simulated_error_settles_to_the_ranks_noise_and_dst_then_acts():
+    """A cost model started with a few calibration steps' large error learns, step by step, the error that the
+    ranks' noise gives, as a live run's does; held at its start, it would keep DST damped all epoch."""
+    dims = PRESETS["qwen2.5-0.5b"]
+    lengths = LengthPrior.load("wlbllm").sample(400, np.random.default_rng(0), 32768)
+    _, batching, _ = simulate.VARIANTS["dst"]
+
+    def epoch(noise: float) -> tuple[float, float]:
+        cost = CostModel(simulate.h100_latency(dims), simulate.density_law(64, 0.27, 4096))
+        cost.error = 0.45
+        controller = DSTController(cost, [LayerBudget(tau=0.9)] * dims.num_layers)
+        plan = SparsityAwareSampler(lengths, BatchingConfig(method=batching, max_tokens=32768), cost_model=cost,
+                                    seed=0, num_replicas=8, rank=0).plan()
+        steps = simulate.predicted_epoch(plan, lengths, controller, noise)
+        return cost.error, sum(max(s) for s in steps)
+
+    (held_error, held_s), (settled_error, settled_s) = epoch(0.0), epoch(0.1)
+    assert held_error == 0.45 and settled_error == pytest.approx(simulate.MEDIAN_ABS_NORMAL * 0.1, rel=0.5)
+    assert settled_s < 0.99 * held_s  # trusted, DST brings the slowest ranks toward the anchor
