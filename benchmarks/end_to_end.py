@@ -31,7 +31,8 @@ to ``--out``. Timings on a shared machine drift: ``--rounds`` repeats the whole 
 real planner plans for N ranks, each rank's micro-batch runs forward and backward alone with its own DST budget
 (one controller for all), gradients add up under the global-token normalisation and one optimiser step follows.
 A step's time is its slowest rank's measured compute plus the measured optimiser time; the collectives are left
-out and estimated apart (a ring all-reduce of the gradients at ``--bandwidth-gbps``). Then ``results.json`` holds
+out and estimated apart (a ring all-reduce of the gradients at ``--bandwidth-gbps``). The variants' steps take
+turns, so a drift in the machine's speed reaches them all. Then ``results.json`` holds
 ``{"variants": {name: {"steps": [{"rank_s", "step_s", "tokens", "rounds"}], "total_s", "tokens", "val_loss",
 "recall", ...}}, "regime": {...}}`` (``rounds``: what the cost model learned from each micro-batch round, which
 ``benchmarks/simulate.py check`` replays):
@@ -51,6 +52,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import matplotlib
 
@@ -284,20 +286,48 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
     return module, data, trainer, controller, plan
 
 
-def emulate_variant(base: dict, name: str, args: argparse.Namespace, round_index: int) -> dict:
-    """One variant over ``--ranks`` emulated ranks in this process, summarised as ``summarise`` does a real run,
-    plus every step's per-rank times (``steps``)."""
-    from sparsebalance_pl.emulation import EmulatedRanks, allreduce_seconds, step_batches, validation_loss
+class EmulatedRun(NamedTuple):
+    """One variant's emulation under way: its model, data, epoch plan, ranks, packed items and steps done."""
 
-    module, data, trainer, controller, plan = prepare_emulated(base, name, args, round_index)
-    items = data.items("train")
-    emulated = EmulatedRanks(module, args.ranks, len(plan), controller=controller,
-                             gradient_clip=trainer.gradient_clip_val,
-                             gradient_clip_algorithm=trainer.gradient_clip_algorithm or "norm")
-    emulated.warm_up(step_batches(items, plan[0])[0][0])
-    started, done = time.perf_counter(), []
-    for step in plan:
-        done.append(emulated.step(step_batches(items, step)))
+    module: object
+    data: object
+    plan: list
+    emulated: object
+    items: object
+    done: list
+
+
+def emulate_variants(base: dict, names: list[str], args: argparse.Namespace, round_index: int) -> dict[str, dict]:
+    """Every variant over ``--ranks`` emulated ranks in this process, their epochs' steps interleaved (a step of
+    each variant in turn): a shared machine's speed drifts over minutes (the same batches once took 40% longer
+    in the last of four variants run one after another), and taking turns spreads the drift over all variants.
+    All variants' models are held at once. Each summarised as ``summarise`` does a real run, plus every step's
+    per-rank times (``steps``)."""
+    from sparsebalance_pl.emulation import EmulatedRanks, step_batches
+
+    runs: dict[str, EmulatedRun] = {}
+    for name in names:
+        module, data, trainer, controller, plan = prepare_emulated(base, name, args, round_index)
+        emulated = EmulatedRanks(module, args.ranks, len(plan), controller=controller,
+                                 gradient_clip=trainer.gradient_clip_val,
+                                 gradient_clip_algorithm=trainer.gradient_clip_algorithm or "norm")
+        items = data.items("train")
+        emulated.warm_up(step_batches(items, plan[0])[0][0])
+        runs[name] = EmulatedRun(module, data, plan, emulated, items, [])
+    started = time.perf_counter()
+    for i in range(max(len(run.plan) for run in runs.values())):
+        for run in runs.values():
+            if i < len(run.plan):
+                run.done.append(run.emulated.step(step_batches(run.items, run.plan[i])))
+    print(f"  {', '.join(f'{name} {len(run.done)}' for name, run in runs.items())} steps of {args.ranks} ranks, "
+          f"interleaved, {time.perf_counter() - started:.0f} s", flush=True)
+    return {name: summarise_emulated(name, run.module, run.data, run.done, args) for name, run in runs.items()}
+
+
+def summarise_emulated(name: str, module, data, done: list, args: argparse.Namespace) -> dict:
+    """One variant's emulated epoch (``EmulatedStep`` list) summed up, and its validation loss measured."""
+    from sparsebalance_pl.emulation import allreduce_seconds, validation_loss
+
     records = [record for step in done for observation in step.observations for record in observation.records]
     recalls = [(sum(r.lengths), r.report.recall) for r in records if r.report.recall is not None]
     rank_s = [step.rank_seconds for step in done]
@@ -305,7 +335,6 @@ def emulate_variant(base: dict, name: str, args: argparse.Namespace, round_index
     if len(done) <= args.warmup:
         raise SystemExit(f"variant {name} ran {len(done)} steps: none is left after --warmup {args.warmup}")
     parameters = sum(p.numel() for p in module.parameters())
-    print(f"  {name}: {len(done)} steps of {args.ranks} ranks, {time.perf_counter() - started:.0f} s", flush=True)
     return {
         "steps": len(done),
         "hidden_size": module.dims.hidden_size,
@@ -438,10 +467,12 @@ def main(argv=None) -> None:
     rounds: dict[str, list] = {name: [] for name in args.variants}
     for round_index in range(args.rounds):
         print(f"round {round_index + 1}/{args.rounds}", flush=True)
+        if args.ranks is not None:
+            for name, summary in emulate_variants(base, args.variants, args, round_index).items():
+                rounds[name].append(summary)
+            continue
         for name in args.variants:
-            if args.ranks is not None:
-                rounds[name].append(emulate_variant(base, name, args, round_index))
-            elif args.report_only:
+            if args.report_only:
                 metrics = args.out / f"{name}-round{round_index}" / "logs" / "version_0" / "metrics.csv"
                 rounds[name].append(summarise(read_metrics(metrics), args.warmup))
             else:
@@ -469,7 +500,8 @@ def main(argv=None) -> None:
 
 def write_emulated(base: dict, results: dict, args: argparse.Namespace) -> None:
     regime = emulated_regime(base, results, args)
-    text = (f"{args.ranks} emulated ranks (one process, ranks timed one after another); context "
+    text = (f"{args.ranks} emulated ranks (one process, ranks timed one after another, the variants' steps in "
+            f"turn); context "
             f"{regime['max_tokens']} tokens over hidden {regime['hidden_size']}: attention/projection FLOPs "
             f"{regime['attention_to_projection_flops']:.1f}; the baseline's attention is "
             f"{regime['baseline_attention_share_of_compute']:.0%} of its ranks' compute, its "
