@@ -223,9 +223,9 @@ class OnlineCalibration:
     Working on log scales keeps them positive and makes a common error (a table from slower hardware) a
     single direction that one observation corrects. The prior covariance is ``common**2 * 11^T +
     term**2 * I``: the whole table may be off by a factor, and each term on its own. ``forgetting`` < 1
-    lets the fit follow drift, once per measurement round (``forget``: every observation by default; a
-    caller that learns many ranks' micro-batches of one step at once forgets once for all of them, or the
-    fit's memory would shrink as ranks are added, to about one step at 8 ranks); residuals beyond ``huber`` times their running size are down-weighted so a
+    lets the fit follow drift (``forget``): after every observation by default, and once per step for a
+    caller that learns all ranks' micro-batches of a step together, so its memory counts steps whatever the
+    number of ranks. Residuals beyond ``huber`` times their running size are down-weighted so a
     single disturbed measurement (a busy machine) barely moves the fit. ``noise`` 0.1 is the scatter of
     step times on a shared CPU, and ``term`` 0.5 keeps each term within about 1.6x of the others a priori:
     with 0.05 and 1.0 two observations of similar batches swung one term far enough to push the held-out

@@ -180,7 +180,6 @@ def test_whole_rank_times_teach_the_terms_attention_timing_leaves_out():
     assert taught.timed_seconds(LONG, 0.3) == pytest.approx(truth.timed_seconds(LONG, 0.3), rel=0.05)
 
 
-
 def test_the_calibration_forgets_per_step_whatever_the_rank_count():
     """After the hardware slows down, 1 rank and 16 ranks per step track it alike, step for step: the filter
     forgets once per step, not once per rank's measurement."""
