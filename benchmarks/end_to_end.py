@@ -321,13 +321,14 @@ def emulate_variants(base: dict, names: list[str], args: argparse.Namespace, rou
                 run.done.append(run.emulated.step(step_batches(run.items, run.plan[i])))
     print(f"  {', '.join(f'{name} {len(run.done)}' for name, run in runs.items())} steps of {args.ranks} ranks, "
           f"interleaved, {time.perf_counter() - started:.0f} s", flush=True)
-    return {name: summarise_emulated(name, run.module, run.data, run.done, args) for name, run in runs.items()}
+    return {name: summarise_emulated(name, run, args) for name, run in runs.items()}
 
 
-def summarise_emulated(name: str, module, data, done: list, args: argparse.Namespace) -> dict:
-    """One variant's emulated epoch (``EmulatedStep`` list) summed up, and its validation loss measured."""
+def summarise_emulated(name: str, run: EmulatedRun, args: argparse.Namespace) -> dict:
+    """One variant's emulated epoch summed up, and its validation loss measured."""
     from sparsebalance_pl.emulation import allreduce_seconds, validation_loss
 
+    module, data, done = run.module, run.data, run.done
     records = [record for step in done for observation in step.observations for record in observation.records]
     recalls = [(sum(r.lengths), r.report.recall) for r in records if r.report.recall is not None]
     rank_s = [step.rank_seconds for step in done]
@@ -501,8 +502,7 @@ def main(argv=None) -> None:
 def write_emulated(base: dict, results: dict, args: argparse.Namespace) -> None:
     regime = emulated_regime(base, results, args)
     text = (f"{args.ranks} emulated ranks (one process, ranks timed one after another, the variants' steps in "
-            f"turn); context "
-            f"{regime['max_tokens']} tokens over hidden {regime['hidden_size']}: attention/projection FLOPs "
+            f"turn); context {regime['max_tokens']} tokens over hidden {regime['hidden_size']}: attention/projection FLOPs "
             f"{regime['attention_to_projection_flops']:.1f}; the baseline's attention is "
             f"{regime['baseline_attention_share_of_compute']:.0%} of its ranks' compute, its "
             f"removable imbalance {regime['baseline_removable_imbalance']:.3f}; collectives not in the times "

@@ -250,7 +250,11 @@ def check_against_emulation(args: argparse.Namespace) -> dict:
         _, data, _, controller, plan = end_to_end.prepare_emulated(base, name, e2e_args, 0, calibrated=states[name])
         lengths = np.asarray(data.lengths("train"))
         tokens = plan_tokens(plan, lengths)
-        predicted = summary(predicted_epoch(plan, lengths, controller, noise), tokens, noise)
+
+        def predict() -> dict:
+            return summary(predicted_epoch(plan, lengths, controller, noise), tokens, noise)
+
+        predicted = predict()
         got = measured[name]
         compute = sum(max(step["rank_s"]) for step in got["steps"])  # the emulation's step less its optimiser
         rows[name] = {"predicted_s": predicted["total_s"], "exact_s": predicted["exact_s"],
@@ -262,7 +266,7 @@ def check_against_emulation(args: argparse.Namespace) -> dict:
         controller.cost_model.load_state_dict(states[name]["cost_model"])
         replayed = fit_on_others(controller.cost_model, measured, name)
         if replayed:
-            held_out = summary(predicted_epoch(plan, lengths, controller, noise), tokens, noise)["total_s"]
+            held_out = predict()["total_s"]
             rows[name].update(held_out_s=held_out, held_out_error=held_out / compute - 1.0, replayed_rounds=replayed)
         print(f"  {name}: predicted {predicted['total_s']:.1f} s, measured {compute:.1f} s "
               f"({rows[name]['error']:+.1%}; fitted on the other variants: "
