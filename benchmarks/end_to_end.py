@@ -411,8 +411,8 @@ def markdown_table(results: dict, regime: str, args: argparse.Namespace, imbalan
     lines = [
         f"Regime: {regime}. {length}, median step time after {args.warmup} warm-up steps, "
         f"{args.rounds} round(s); speed-up of the {speedup_of} step time against `{BASELINE}` (static sparse, "
-        "first-fit). Over an epoch every variant draws the same documents, but first-fit leaves out the "
-        "micro-batches of an incomplete last step (the next epoch reshuffles them); over a fixed number of steps "
+        "first-fit). Over an epoch every variant trains on the same documents, each once (first-fit pads the "
+        "ranks its last step leaves empty with a loss-free shortest document); over a fixed number of steps "
         "the variants see different documents, and a planner that fills its batches less has shorter steps: the "
         f"tokens/s ratio against `{BASELINE}` is the speed-up per token. Imbalance (max / mean) and balance "
         f"efficiency are of {imbalance_of}.",

@@ -109,13 +109,14 @@ def first_fit_plan(
 ) -> EpochPlan:
     """The token-count baseline: first-fit packing in (shuffled) stream order, micro-batches dealt in turn.
 
-    Training (``shuffle``) drops the micro-batches of an incomplete last step: the next epoch reshuffles them.
-    Evaluation must see every document once, so ranks left without a micro-batch in the last step get a
-    ``PaddingItem`` (the shortest document, bearing no loss) instead.
+    Every document is used once per epoch, as with SAB (and as Lightning's sampler pads rather than drops by
+    default): ranks left without a micro-batch in the last step get a ``PaddingItem`` (the shortest document,
+    bearing no loss). Dropping that step instead would leave the baseline up to ``num_ranks - 1`` micro-batches
+    less work per epoch than the planner it is compared with.
     """
     order = np.random.default_rng([seed, epoch]).permutation(len(lengths)) if shuffle else np.arange(len(lengths))
     batches: list[list] = first_fit(lengths, order, max_tokens)
-    if not shuffle and len(batches) % num_ranks:
+    if len(batches) % num_ranks:
         batches += [[_padding(lengths)]] * (num_ranks - len(batches) % num_ranks)
     steps = len(batches) // num_ranks
     return [

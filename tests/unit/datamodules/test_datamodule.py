@@ -85,13 +85,19 @@ def test_plan_is_identical_on_every_rank_and_equal_in_length(plan_fn):
     assert list(samplers[0]) != per_rank[0]
 
 
-def test_sab_uses_every_document_once_and_balances_predicted_time():
+def _used(plan) -> list[int]:
+    return sorted(i for step in plan for r in step.micro_batches for mb in r for i in mb if not isinstance(i, PaddingItem))
+
+
+def test_both_planners_use_every_document_once_and_sab_balances_predicted_time():
+    """The baseline pads its incomplete last step rather than drop it: compared planners do the same work."""
     lengths = LengthPrior.load("wlbllm").sample(1000, np.random.default_rng(2), 2048)
     sab = _sab(lengths, 0)
-    used = sorted(i for step in sab for r in step.micro_batches for mb in r for i in mb if not isinstance(i, PaddingItem))
-    assert used == list(range(1000))
     costs = 2000.0 * lengths + lengths.astype(float) ** 2
     baseline = first_fit_plan(lengths, costs, max_tokens=2048, num_ranks=3, seed=5, epoch=0, shuffle=True)
+    on_four = first_fit_plan(lengths, costs, max_tokens=2048, num_ranks=4, seed=5, epoch=0, shuffle=True)
+    assert _used(sab) == _used(baseline) == _used(on_four) == list(range(1000))
+    assert isinstance(on_four[-1].micro_batches[-1][0][0], PaddingItem)  # 135 micro-batches: the last step padded
     assert plan_efficiency(sab) > plan_efficiency(baseline) + 0.03
 
 
