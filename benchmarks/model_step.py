@@ -30,6 +30,8 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from variant_spec import parse_variant  # noqa: E402
 from sparsebalance_pl.attention import AttentionConfig  # noqa: E402
 from sparsebalance_pl.datamodules.packing import collate_packed  # noqa: E402
 from sparsebalance_pl.model import ModelConfig  # noqa: E402
@@ -55,27 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def attention_variant(spec: str) -> tuple[str, AttentionConfig]:
-    """``NAME:field=value,...`` as a named ``AttentionConfig`` (numbers and true/false parsed, else strings)."""
-    name, _, fields = spec.partition(":")
-    settings = {}
-    for item in filter(None, fields.split(",")):
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--attention {spec!r}: {item!r} is not field=value")
-        settings[key] = _value(text)
+    """``NAME:field=value,...`` as a named ``AttentionConfig``."""
+    name, settings = parse_variant(spec, "--attention")
     try:
         return name, AttentionConfig(**settings)
     except (TypeError, ValueError) as err:
         raise SystemExit(f"--attention {spec!r}: {err}") from None
-
-
-def _value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def build(args: argparse.Namespace, attention: AttentionConfig) -> SparseQwen:

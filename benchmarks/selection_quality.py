@@ -40,10 +40,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from variant_spec import parse_variant  # noqa: E402
 from sparsebalance_pl.attention import varlen_causal_attention  # noqa: E402
 from sparsebalance_pl.kernels.layout import token_doc_ids  # noqa: E402
 from sparsebalance_pl.kernels.selection import rank_blocks  # noqa: E402
@@ -52,11 +53,9 @@ from sparsebalance_pl.model import ModelConfig  # noqa: E402
 
 IMPLEMENTATION = "selection_quality"
 _ROWS = 256  # query rows per chunk of the exact pass (a multiple of every block size used)
-_INT_KEYS = ("stride", "sink_blocks", "local_blocks", "recall_probes")
-_BOOL_KEYS = ("per_head_tau",)
+_RANK_KEYS = ("stride", "sink_blocks", "local_blocks", "recall_probes", "per_head_tau", "estimate")  # options of rank_blocks
 _FLOAT_KEYS = ("max_density", "tau", "late_tau")
 _LAYER_KEYS = ("late_from",)
-_STR_KEYS = ("estimate",)
 
 
 @dataclass
@@ -70,24 +69,17 @@ class Variant:
 
     @classmethod
     def parse(cls, spec: str) -> "Variant":
-        name, _, rest = spec.partition(":")
+        name, settings = parse_variant(spec, "--variants")
         variant = cls(name)
-        for item in filter(None, rest.split(",")):
-            key, _, value = item.partition("=")
-            if key in _INT_KEYS:
-                variant.rank_kwargs[key] = int(value)
-            elif key in _BOOL_KEYS:
-                variant.rank_kwargs[key] = value.lower() in ("1", "true", "yes")
-            elif key in _STR_KEYS:
+        for key, value in settings.items():
+            if key in _RANK_KEYS:
                 variant.rank_kwargs[key] = value
-            elif key in _FLOAT_KEYS:
-                setattr(variant, key, float(value))
-            elif key in _LAYER_KEYS:
-                setattr(variant, key, int(value))
+            elif key in _FLOAT_KEYS + _LAYER_KEYS:
+                setattr(variant, key, value)
             else:
-                raise SystemExit(f"variant {spec!r}: unknown key {key!r}")
+                raise SystemExit(f"--variants {spec!r}: unknown key {key!r}")
         if (variant.late_tau is None) != (variant.late_from is None):
-            raise SystemExit(f"variant {spec!r}: late_tau and late_from go together")
+            raise SystemExit(f"--variants {spec!r}: late_tau and late_from go together")
         return variant
 
     def layer_tau(self, layer: int, tau: float) -> float:

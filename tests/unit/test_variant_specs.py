@@ -1,0 +1,39 @@
+"""The benchmarks' ``NAME:key=value,...`` variants: model_step's AttentionConfig fields and selection_quality's
+selection settings, from the command line."""
+
+import sys
+
+import pytest
+from main_runner import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import model_step  # noqa: E402
+import selection_quality  # noqa: E402
+
+
+def test_an_attention_variant_sets_the_named_fields():
+    name, config = model_step.attention_variant("quality:block_size=32,estimate=sampled,recall_probes=1,tau=0.85")
+    assert name == "quality" and (config.block_size, config.estimate, config.recall_probes) == (32, "sampled", 1)
+    assert config.tau == 0.85 and config.backend == "sparse"
+    assert model_step.attention_variant("windowed:per_head_tau=false")[1].per_head_tau is False
+
+
+@pytest.mark.parametrize("spec, message", [("a:tau", "is not field=value"), ("a:blok=3", "blok"),
+                                           ("a:block_size=48", "power of two")])
+def test_a_bad_attention_variant_stops_with_one_line(spec, message):
+    with pytest.raises(SystemExit, match=message):
+        model_step.attention_variant(spec)
+
+
+def test_a_selection_variant_splits_ranking_options_from_budgets():
+    variant = selection_quality.Variant.parse("late:estimate=sampled,stride=8,per_head_tau=false,tau=0.85,"
+                                              "late_tau=0.9,late_from=3")
+    assert variant.rank_kwargs == {"estimate": "sampled", "stride": 8, "per_head_tau": False}
+    assert (variant.tau, variant.layer_tau(2, 0.5), variant.layer_tau(3, 0.5)) == (0.85, 0.85, 0.9)
+
+
+@pytest.mark.parametrize("spec, message", [("a:stride", "is not field=value"), ("a:blok=3", "unknown key 'blok'"),
+                                           ("a:late_tau=0.9", "go together")])
+def test_a_bad_selection_variant_stops_with_one_line(spec, message):
+    with pytest.raises(SystemExit, match=message):
+        selection_quality.Variant.parse(spec)
