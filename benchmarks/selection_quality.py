@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import AttentionInterface
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -283,32 +284,40 @@ def main(argv=None) -> None:
     meta = {"model": args.model, "data": args.data, "split": args.split, "block_size": args.block_size,
             "held_out_documents": len(docs), "command": " ".join(sys.argv)}
     results = []
-    for length in args.lengths:
-        streams = pack_streams(docs, length, args.streams, args.seed)
-        dense = []
-        for s in streams:
-            dense.append(forward(model, s, Run(s["cu_seqlens"], args.block_size, None, 1.0)))
-        for tau in args.taus:
-            cell = {"length": length, "tau": tau, "streams": len(streams),
-                    "documents": sum(len(s["doc_lengths"]) for s in streams),
-                    "dense_loss": sum(d[0] for d in dense) / sum(d[1] for d in dense), "variants": []}
-            results.append(cell)
-            for variant in variants:
-                per_stream = []
-                for s in streams:
-                    run = Run(s["cu_seqlens"], args.block_size, variant, tau)
-                    start = time.perf_counter()
-                    loss_sum, tokens = forward(model, s, run)
-                    per_stream.append({"loss_sum": loss_sum, "tokens": tokens, "layers": run.layers,
-                                       "seconds": time.perf_counter() - start})
-                summary = summarise(variant, per_stream, dense, num_layers)
-                cell["variants"].append(summary)
-                print(f"{length} tau {tau} {variant.name}: density {summary['density']:.3f} exact "
-                      f"{summary['exact_recall']:.3f} est {summary['estimated_recall']:.3f} max layer err "
-                      f"{summary['max_layer_estimate_error']:.3f} loss gap {100 * summary['loss_gap']:+.2f}%",
-                      flush=True)
-                if args.out:
-                    _write(Path(args.out), meta, results)
+    forwards = len(args.lengths) * args.streams * (1 + len(args.taus) * len(variants))
+    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task("", total=forwards)
+        for length in args.lengths:
+            streams = pack_streams(docs, length, args.streams, args.seed)
+            bar.update(task, description=f"{length} dense")
+            dense = []
+            for s in streams:
+                dense.append(forward(model, s, Run(s["cu_seqlens"], args.block_size, None, 1.0)))
+                bar.advance(task)
+            for tau in args.taus:
+                cell = {"length": length, "tau": tau, "streams": len(streams),
+                        "documents": sum(len(s["doc_lengths"]) for s in streams),
+                        "dense_loss": sum(d[0] for d in dense) / sum(d[1] for d in dense), "variants": []}
+                results.append(cell)
+                for variant in variants:
+                    bar.update(task, description=f"{length} tau {tau} {variant.name}")
+                    per_stream = []
+                    for s in streams:
+                        run = Run(s["cu_seqlens"], args.block_size, variant, tau)
+                        start = time.perf_counter()
+                        loss_sum, tokens = forward(model, s, run)
+                        per_stream.append({"loss_sum": loss_sum, "tokens": tokens, "layers": run.layers,
+                                           "seconds": time.perf_counter() - start})
+                        bar.advance(task)
+                    summary = summarise(variant, per_stream, dense, num_layers)
+                    cell["variants"].append(summary)
+                    bar.console.print(
+                        f"{length} tau {tau} {variant.name}: density {summary['density']:.3f} exact "
+                        f"{summary['exact_recall']:.3f} est {summary['estimated_recall']:.3f} max layer err "
+                        f"{summary['max_layer_estimate_error']:.3f} loss gap {100 * summary['loss_gap']:+.2f}%")
+                    if args.out:
+                        _write(Path(args.out), meta, results)
     print(markdown(results, meta))
 
 
