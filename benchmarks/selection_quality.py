@@ -315,7 +315,7 @@ def main(argv=None) -> None:
                     bar.console.print(
                         f"{length} tau {tau} {variant.name}: density {summary['density']:.3f} exact "
                         f"{summary['exact_recall']:.3f} est {summary['estimated_recall']:.3f} max layer err "
-                        f"{summary['max_layer_estimate_error']:.3f} loss gap {100 * summary['loss_gap']:+.2f}%")
+                        f"{summary['max_layer_estimate_error']:.3f} loss gap {100 * summary['loss_gap']:+.2f}%", soft_wrap=True)
                     if args.out:
                         _write(Path(args.out), meta, results)
     print(markdown(results, meta))
