@@ -55,10 +55,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import matplotlib
+import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import yaml  # noqa: E402
+from rich.progress import (  # noqa: E402
+    BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn, track,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
@@ -86,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --ranks: steps of another epoch's documents run first without updating the "
                              "weights, so the cost model and DST start the measured epoch calibrated, as in the "
                              "middle of a long run; the epoch is planned after them")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="with --ranks: the process's intra-op threads (default: torch's, one per core); one "
+                             "thread times a micro-batch more steadily on a shared machine (the same 16K-token "
+                             "micro-batch repeated: spread 3-4%% on one thread, 5-8%% on two, 2-core CPU)")
     parser.add_argument("--bandwidth-gbps", type=float, default=50.0,
                         help="per-rank link bandwidth for the emulation's all-reduce estimate (GB/s)")
     parser.add_argument("--init", default="none", help="Hugging Face model directory, or 'none' for random init")
@@ -114,6 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.config = args.config or [ROOT / "configs" / "demo.yaml"]
     if args.ranks is not None and args.ranks < 1:
         parser.error(f"--ranks {args.ranks} must be at least 1")
+    if args.threads is not None and (args.threads < 1 or args.ranks is None):
+        parser.error(f"--threads {args.threads} needs --ranks and must be at least 1")
     if args.calibrate_steps < 0 or (args.calibrate_steps and args.ranks is None):
         parser.error(f"--calibrate-steps {args.calibrate_steps} needs --ranks and must be >= 0")
     if args.ranks is not None and args.report_only:
@@ -274,7 +284,8 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
         residuals: list[list[float]] = []
         if args.calibrate_steps:
             calibration, items = EmulatedRanks(module, args.ranks, 1, controller=controller), data.items("train")
-            for i, step in enumerate(data.train_plan(args.ranks, rank=0, epoch=1).plan()[: args.calibrate_steps]):
+            steps = data.train_plan(args.ranks, rank=0, epoch=1).plan()[: args.calibrate_steps]
+            for i, step in enumerate(track(steps, description=f"calibrating {name}", transient=True)):
                 done = calibration.step(step_batches(items, step), update=False)
                 if i:  # the first step's predictions come from the uncalibrated table
                     residuals.append([math.log(m / q) for m, q in zip(done.rank_seconds, done.predicted_seconds)])
@@ -315,10 +326,16 @@ def emulate_variants(base: dict, names: list[str], args: argparse.Namespace, rou
         emulated.warm_up(step_batches(items, plan[0])[0][0])
         runs[name] = EmulatedRun(module, data, plan, emulated, items, [])
     started = time.perf_counter()
-    for i in range(max(len(run.plan) for run in runs.values())):
-        for run in runs.values():
-            if i < len(run.plan):
-                run.done.append(run.emulated.step(step_batches(run.items, run.plan[i])))
+    columns = (TextColumn("emulating {task.description:<24}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns) as bar:
+        task = bar.add_task("", total=sum(len(run.plan) for run in runs.values()))
+        for i in range(max(len(run.plan) for run in runs.values())):
+            for name, run in runs.items():
+                if i < len(run.plan):
+                    bar.update(task, description=f"{name} step {i + 1}/{len(run.plan)}")
+                    run.done.append(run.emulated.step(step_batches(run.items, run.plan[i])))
+                    bar.advance(task)
     print(f"  {', '.join(f'{name} {len(run.done)}' for name, run in runs.items())} steps of {args.ranks} ranks, "
           f"interleaved, {time.perf_counter() - started:.0f} s", flush=True)
     return {name: summarise_emulated(name, run, args) for name, run in runs.items()}
@@ -379,6 +396,7 @@ def emulated_regime(base: dict, results: dict, args: argparse.Namespace) -> dict
         "collective_estimate_s": reference["collective_estimate_s"],
         "bandwidth_gbps": args.bandwidth_gbps,
         "calibration_steps": args.calibrate_steps,
+        "threads": torch.get_num_threads(),
         "collectives": "not in the step times; estimated apart as a ring all-reduce of fp32 gradients",
     }
 
@@ -466,6 +484,8 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     base = merged_configs(args.config)
     rounds: dict[str, list] = {name: [] for name in args.variants}
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     for round_index in range(args.rounds):
         print(f"round {round_index + 1}/{args.rounds}", flush=True)
         if args.ranks is not None:
@@ -501,8 +521,8 @@ def main(argv=None) -> None:
 
 def write_emulated(base: dict, results: dict, args: argparse.Namespace) -> None:
     regime = emulated_regime(base, results, args)
-    text = (f"{args.ranks} emulated ranks (one process, ranks timed one after another, the variants' steps in "
-            f"turn); context {regime['max_tokens']} tokens over hidden {regime['hidden_size']}: attention/projection FLOPs "
+    text = (f"{args.ranks} emulated ranks (one process on {regime['threads']} thread(s), ranks timed one after "
+            f"another, the variants' steps in turn); context {regime['max_tokens']} tokens over hidden {regime['hidden_size']}: attention/projection FLOPs "
             f"{regime['attention_to_projection_flops']:.1f}; the baseline's attention is "
             f"{regime['baseline_attention_share_of_compute']:.0%} of its ranks' compute, its "
             f"removable imbalance {regime['baseline_removable_imbalance']:.3f}; collectives not in the times "
