@@ -533,27 +533,15 @@ class LatencyModel:
         *,
         block_size: int,
         stride: int,
-        device: str | None = None,
         selection: dict | None = None,
     ) -> LatencyModel | None:
         """``from_file`` that logs a warning with the reason and returns None, so the caller can fall back.
-
-        A table from another ``device`` is still returned (with a warning): it is a better start than the
-        analytic prior, and ``observe`` corrects it.
-        """
+        Where the table was measured (device, dtype, lengths) is the caller's to judge."""
         try:
-            model = cls.from_file(path, dims, block_size=block_size, stride=stride, selection=selection)
+            return cls.from_file(path, dims, block_size=block_size, stride=stride, selection=selection)
         except LatencyTableError as err:
             log.warning("%s; falling back", err)
             return None
-        if device is not None and model.table.meta.device != device:
-            log.warning(
-                "latency table %s was profiled on %r, running on %r: using it, online calibration will correct it",
-                path,
-                model.table.meta.device,
-                device,
-            )
-        return model
 
     # ----------------------------------------------------------------------------------- analytic prior
     @classmethod

@@ -584,17 +584,15 @@ def latency_model_for_run(
     """
     device = torch.device(device)
     here = device_name(device)
-    model = LatencyModel.load_or_none(path, dims, block_size=block_size, stride=stride, device=here,
-                                      selection=selection or {})
-    fits = model is not None and (model.table.meta.device, model.table.meta.dtype) == (here, _name(dtype))
-    if fits and model.table.lengths[-1] < ProfileGrid.quick(max_length).lengths[-1]:
-        log.warning("latency table %s stops at documents of %d tokens, this run needs %d",
-                    path, model.table.lengths[-1], max_length)
-        fits = False
-    if model is not None and (fits or not profile):
+    model = LatencyModel.load_or_none(path, dims, block_size=block_size, stride=stride, selection=selection or {})
+    unfit = None if model is None else _unfit(model, here, _name(dtype), max_length)
+    if model is not None and (unfit is None or not profile):
+        if unfit is not None:
+            log.warning("latency table %s %s: using it, online calibration will correct it", path, unfit)
         return model
     if profile:
-        log.warning("profiling the latency table for %s into %s (quick grid)", here, path)
+        log.warning("%sprofiling the latency table for %s into %s (quick grid)",
+                    "" if unfit is None else f"latency table {path} {unfit}: ", here, path)
         return profile_hardware(
             dims, device=device, dtype=dtype, block_size=block_size, stride=stride, quick=True,
             max_length=max_length, progress=progress, output=path, selection=selection,
@@ -603,6 +601,16 @@ def latency_model_for_run(
     throughput = 5e10 if device.type == "cpu" else (2e14 if dtype in (torch.float16, torch.bfloat16) else 4e13)
     return LatencyModel.analytic(dims, block_size=block_size, stride=stride, flops_per_second=throughput, device=here,
                                  dtype=_name(dtype), selection=selection)
+
+
+def _unfit(model: LatencyModel, device: str, dtype: str, max_length: int) -> str | None:
+    """Why a table that fits the model and kernels does not fit this run's hardware, or None."""
+    meta = model.table.meta
+    if (meta.device, meta.dtype) != (device, dtype):
+        return f"was profiled on {meta.device!r} in {meta.dtype}, this run is on {device!r} in {dtype}"
+    if model.table.lengths[-1] < ProfileGrid.quick(max_length).lengths[-1]:
+        return f"stops at documents of {int(model.table.lengths[-1])} tokens, this run needs {max_length}"
+    return None
 
 
 def training_dtype(precision: object, device: torch.device | str) -> torch.dtype:

@@ -210,8 +210,7 @@ def test_tables_for_other_dimensions_or_kernels_are_rejected(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="sparsebalance_pl.latency"):
         assert LatencyModel.load_or_none(path, DEMO, block_size=128, stride=16) is None
         assert "block_size: table 64 != run 128" in caplog.text
-        assert LatencyModel.load_or_none(path, DEMO, block_size=64, stride=16, device="cpu-b") is not None
-        assert "profiled on 'cpu-a'" in caplog.text
+        assert LatencyModel.load_or_none(path, DEMO, block_size=64, stride=16) is not None  # any device's
 
 
 def test_a_table_is_matched_on_its_selection_options(tmp_path):

@@ -91,19 +91,23 @@ def test_run_start_uses_a_fitting_table_without_profiling(tiny_profile, monkeypa
     assert loaded.predict([200], 0.5) == pytest.approx(model.predict([200], 0.5))
 
 
-def test_run_start_profiles_again_for_another_dtype_or_longer_documents(tiny_profile, monkeypatch):
+def test_run_start_profiles_again_for_another_dtype_or_longer_documents(tiny_profile, monkeypatch, caplog):
     path, model = tiny_profile
     profiled = []
     monkeypatch.setattr(
         "sparsebalance_pl.cost.profiler.profile_hardware",
         lambda dims, **kw: profiled.append(kw) or LatencyModel.analytic(dims, **KERNELS),
     )
-    with one_thread():
+    with one_thread(), caplog.at_level(logging.WARNING):
         latency_model_for_run(path, TINY, device="cpu", dtype=torch.bfloat16, max_length=256, **KERNELS)
         latency_model_for_run(path, TINY, device="cpu", max_length=1024, **KERNELS)
         kept = latency_model_for_run(path, TINY, device="cpu", max_length=1024, profile=False, **KERNELS)
     assert [(kw["dtype"], kw["max_length"]) for kw in profiled] == [(torch.bfloat16, 256), (torch.float32, 1024)]
     assert kept.predict([200], 0.5) == pytest.approx(model.predict([200], 0.5))  # shorter, but better than a prior
+    said = [record.getMessage() for record in caplog.records]
+    assert "in float32, this run is on" in said[0] and "in bfloat16: profiling the latency table" in said[0]
+    assert "stops at documents of 256 tokens, this run needs 1024: profiling" in said[1]
+    assert said[2].endswith("needs 1024: using it, online calibration will correct it") and len(said) == 3
 
 
 def test_run_start_profiles_again_for_other_selection_options(tiny_profile, monkeypatch):
