@@ -90,6 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --ranks: steps of another epoch's documents run first without updating the "
                              "weights, so the cost model and DST start the measured epoch calibrated, as in the "
                              "middle of a long run; the epoch is planned after them")
+    parser.add_argument("--frozen", action="store_true",
+                        help="with --ranks: the epoch's steps leave the weights as they are (no optimiser step, whose "
+                             "time then counts as zero), so every variant attends with the same model and its speed and recall "
+                             "are the planner's and DST's alone; in a training epoch the batches' order also "
+                             "changes how fast attention sharpens. Validation loss then stays the initial model's")
     parser.add_argument("--threads", type=int, default=None,
                         help="with --ranks: the process's intra-op threads (default: torch's, one per core); one "
                              "thread times a micro-batch more steadily on a shared machine (the same 16K-token "
@@ -122,6 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.config = args.config or [ROOT / "configs" / "demo.yaml"]
     if args.ranks is not None and args.ranks < 1:
         parser.error(f"--ranks {args.ranks} must be at least 1")
+    if args.frozen and args.ranks is None:
+        parser.error("--frozen needs --ranks")
     if args.threads is not None and (args.threads < 1 or args.ranks is None):
         parser.error(f"--threads {args.threads} needs --ranks and must be at least 1")
     if args.calibrate_steps < 0 or (args.calibrate_steps and args.ranks is None):
@@ -334,7 +341,7 @@ def emulate_variants(base: dict, names: list[str], args: argparse.Namespace, rou
             for name, run in runs.items():
                 if i < len(run.plan):
                     bar.update(task, description=f"{name} step {i + 1}/{len(run.plan)}")
-                    run.done.append(run.emulated.step(step_batches(run.items, run.plan[i])))
+                    run.done.append(run.emulated.step(step_batches(run.items, run.plan[i]), update=not args.frozen))
                     bar.advance(task)
     print(f"  {', '.join(f'{name} {len(run.done)}' for name, run in runs.items())} steps of {args.ranks} ranks, "
           f"interleaved, {time.perf_counter() - started:.0f} s", flush=True)
@@ -397,6 +404,7 @@ def emulated_regime(base: dict, results: dict, args: argparse.Namespace) -> dict
         "bandwidth_gbps": args.bandwidth_gbps,
         "calibration_steps": args.calibrate_steps,
         "threads": torch.get_num_threads(),
+        "frozen_weights": args.frozen,
         "collectives": "not in the step times; estimated apart as a ring all-reduce of fp32 gradients",
     }
 
@@ -527,7 +535,8 @@ def write_emulated(base: dict, results: dict, args: argparse.Namespace) -> None:
             f"{regime['baseline_attention_share_of_compute']:.0%} of its ranks' compute, its "
             f"removable imbalance {regime['baseline_removable_imbalance']:.3f}; collectives not in the times "
             f"(estimated {regime['collective_estimate_s']:.2f} s over the run at {args.bandwidth_gbps:g} GB/s); "
-            f"cost model and DST calibrated by {args.calibrate_steps} steps without updates before the epoch")
+            f"cost model and DST calibrated by {args.calibrate_steps} steps without updates before the epoch"
+            + ("; weights frozen through the epoch (no variant's steps update them)" if args.frozen else ""))
     table = markdown_table(results, text, args, imbalance_of="each rank's measured forward and backward")
     print(table)
     (args.out / "results.md").write_text(table)
