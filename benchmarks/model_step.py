@@ -13,6 +13,9 @@ trained one sharply, which is what decides the selected density.
     python benchmarks/model_step.py --init data/smollm2-135m --lengths 4096 --taus 0.9 \
         --attention "quality:block_size=32,estimate=sampled,stride=8,recall_probes=1,tau=0.85"
 
+The spread column is the repetitions' standard deviation over their mean: how steadily this machine times the
+same step (``--threads 1`` against the default on a shared CPU).
+
 ``--attention NAME:field=value,...`` adds a sparse variant with those ``AttentionConfig`` fields (selection options,
 block size, stride, tau), so the cost of a selection setting is timed beside the default's.
 """
@@ -111,11 +114,12 @@ def main(argv=None) -> None:
     where = args.init or f"preset {args.preset}"
     print(f"{where}, documents {args.lengths}, {args.dtype} on {args.device}, threads {torch.get_num_threads()}, "
           f"median of {args.reps}")
-    print(f"{'variant':<20}{'density':>9}{'ms':>10}{'/ dense':>9}")
+    print(f"{'variant':<20}{'density':>9}{'ms':>10}{'/ dense':>9}{'spread':>8}")
     for name, t in times.items():
         d = density[name]
         med = statistics.median(t)
-        print(f"{name:<20}{1.0 if d is None else d:>9.3f}{med * 1e3:>10.1f}{med / base:>9.3f}")
+        spread = statistics.pstdev(t) / statistics.fmean(t)  # how steadily this machine times one step
+        print(f"{name:<20}{1.0 if d is None else d:>9.3f}{med * 1e3:>10.1f}{med / base:>9.3f}{spread:>8.3f}")
 
 
 if __name__ == "__main__":
