@@ -92,9 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "middle of a long run; the epoch is planned after them")
     parser.add_argument("--frozen", action="store_true",
                         help="with --ranks: the epoch's steps leave the weights as they are (no optimiser step, whose "
-                             "time then counts as zero), so every variant attends with the same model and its speed and recall "
-                             "are the planner's and DST's alone; in a training epoch the batches' order also "
-                             "changes how fast attention sharpens. Validation loss then stays the initial model's")
+                             "time then counts as zero), so every variant attends with the same model and its "
+                             "speed and recall are the planner's and DST's alone; in a training epoch the "
+                             "batches' order also changes how fast attention sharpens. Validation loss then stays "
+                             "the initial model's")
     parser.add_argument("--threads", type=int, default=None,
                         help="with --ranks: the process's intra-op threads (default: torch's, one per core); one "
                              "thread times a micro-batch more steadily on a shared machine (the same 16K-token "
@@ -533,11 +534,11 @@ def main(argv=None) -> None:
 def write_emulated(base: dict, results: dict, args: argparse.Namespace) -> None:
     regime = emulated_regime(base, results, args)
     text = (f"{args.ranks} emulated ranks (one process on {regime['threads']} thread(s), ranks timed one after "
-            f"another, the variants' steps in turn); context {regime['max_tokens']} tokens over hidden {regime['hidden_size']}: attention/projection FLOPs "
-            f"{regime['attention_to_projection_flops']:.1f}; the baseline's attention is "
-            f"{regime['baseline_attention_share_of_compute']:.0%} of its ranks' compute, its "
-            f"removable imbalance {regime['baseline_removable_imbalance']:.3f}; collectives not in the times "
-            f"(estimated {regime['collective_estimate_s']:.2f} s over the run at {args.bandwidth_gbps:g} GB/s); "
+            f"another, the variants' steps in turn); context {regime['max_tokens']} tokens over hidden "
+            f"{regime['hidden_size']}: attention/projection FLOPs {regime['attention_to_projection_flops']:.1f}; "
+            f"the baseline's attention is {regime['baseline_attention_share_of_compute']:.0%} of its ranks' "
+            f"compute, its removable imbalance {regime['baseline_removable_imbalance']:.3f}; collectives not in the "
+            f"times (estimated {regime['collective_estimate_s']:.2f} s over the run at {args.bandwidth_gbps:g} GB/s); "
             f"cost model and DST calibrated by {args.calibrate_steps} steps without updates before the epoch"
             + ("; weights frozen through the epoch (no variant's steps update them)" if args.frozen else ""))
     table = markdown_table(results, text, args, imbalance_of="each rank's measured forward and backward")

@@ -54,7 +54,7 @@ from sparsebalance_pl.model import ModelConfig  # noqa: E402
 
 IMPLEMENTATION = "selection_quality"
 _ROWS = 256  # query rows per chunk of the exact pass (a multiple of every block size used)
-_RANK_KEYS = ("stride", "sink_blocks", "local_blocks", "recall_probes", "per_head_tau", "estimate")  # options of rank_blocks
+_RANK_KEYS = ("stride", "sink_blocks", "local_blocks", "recall_probes", "per_head_tau", "estimate")  # rank_blocks
 _FLOAT_KEYS = ("max_density", "tau", "late_tau")
 _LAYER_KEYS = ("late_from",)
 
@@ -315,7 +315,8 @@ def main(argv=None) -> None:
                     bar.console.print(
                         f"{length} tau {tau} {variant.name}: density {summary['density']:.3f} exact "
                         f"{summary['exact_recall']:.3f} est {summary['estimated_recall']:.3f} max layer err "
-                        f"{summary['max_layer_estimate_error']:.3f} loss gap {100 * summary['loss_gap']:+.2f}%", soft_wrap=True)
+                        f"{summary['max_layer_estimate_error']:.3f} loss gap {100 * summary['loss_gap']:+.2f}%",
+                        soft_wrap=True)
                     if args.out:
                         _write(Path(args.out), meta, results)
     print(markdown(results, meta))

@@ -86,7 +86,8 @@ def test_plan_is_identical_on_every_rank_and_equal_in_length(plan_fn):
 
 
 def _used(plan) -> list[int]:
-    return sorted(i for step in plan for r in step.micro_batches for mb in r for i in mb if not isinstance(i, PaddingItem))
+    items = (i for step in plan for rank in step.micro_batches for mb in rank for i in mb)
+    return sorted(i for i in items if not isinstance(i, PaddingItem))
 
 
 def test_both_planners_use_every_document_once_and_sab_balances_predicted_time():
