@@ -98,8 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "the initial model's")
     parser.add_argument("--threads", type=int, default=None,
                         help="with --ranks: the process's intra-op threads (default: torch's, one per core); one "
-                             "thread times a micro-batch somewhat more steadily on a shared machine (repeated 16K-token "
-                             "micro-batches on this 2-core CPU: spread 3-6%% on one thread, 5-8%% on two)")
+                             "thread times a micro-batch somewhat more steadily on a shared machine (docs/RESULTS.md, "
+                             "emulated ranks, sixth pass)")
     parser.add_argument("--bandwidth-gbps", type=float, default=50.0,
                         help="per-rank link bandwidth for the emulation's all-reduce estimate (GB/s)")
     parser.add_argument("--init", default="none", help="Hugging Face model directory, or 'none' for random init")

@@ -73,6 +73,8 @@ class Variant:
         name, settings = parse_variant(spec, "--variants")
         variant = cls(name)
         for key, value in settings.items():
+            if key == "per_head_tau" and not isinstance(value, bool):
+                raise SystemExit(f"--variants {spec!r}: per_head_tau is true or false")
             if key in _RANK_KEYS:
                 variant.rank_kwargs[key] = value
             elif key in _FLOAT_KEYS + _LAYER_KEYS:

@@ -33,7 +33,7 @@ def test_a_selection_variant_splits_ranking_options_from_budgets():
 
 
 @pytest.mark.parametrize("spec, message", [("a:stride", "is not field=value"), ("a:blok=3", "unknown key 'blok'"),
-                                           ("a:late_tau=0.9", "go together")])
+                                           ("a:late_tau=0.9", "go together"), ("a:per_head_tau=no", "true or false")])
 def test_a_bad_selection_variant_stops_with_one_line(spec, message):
     with pytest.raises(SystemExit, match=message):
         selection_quality.Variant.parse(spec)
