@@ -49,8 +49,9 @@ class AttentionConfig:
         stride: antidiagonal scoring stride of the selection (power of two dividing block_size).
         max_density: optional cap on the kept fraction of causal blocks per query row, in (0, 1].
         kernel_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
-        recall_rows: measure each layer's exact recall on this many sampled query rows per training
-            micro-batch (0: off; the estimated recall of the selection is always reported).
+        recall_rows: measure each layer's exact recall on about this many sampled query rows per training
+            micro-batch, drawn per document so that a document is measured on the same rows however it is
+            packed (0: off; the estimated recall of the selection is always reported).
         estimate: how the selection estimates each block's attention mass: ``antidiagonal`` (XAttention's
             stride-tile antidiagonal sums) or ``sampled`` (each antidiagonal product its own query token's
             score of one sampled key: sees single hot keys; torch on every backend).
@@ -133,7 +134,7 @@ class AttentionContext:
 
     ``budgets`` are those in use (moved by dynamic sparsity tuning); ``base_budgets`` those against which
     ``LayerStats.base_document_density`` is counted (the configured ones; default: ``budgets``). With
-    ``recall_rows`` > 0 each layer's exact recall is measured on that many sampled query rows, outside the
+    ``recall_rows`` > 0 each layer's exact recall is measured on about that many sampled query rows, outside the
     timed region (costs rows x T per head; not under context parallelism, where a rank lacks the other
     ranks' keys). ``context_parallel``: the group sharing the stream, whose ranks must hold equal budgets; its
     ``masks`` then hold only this rank's striped rows, and ``ring_timer`` times the ring's waits (a part of

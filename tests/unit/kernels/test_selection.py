@@ -18,6 +18,7 @@ from sparsebalance_pl.kernels import (
 )
 from sparsebalance_pl.kernels import selection
 from sparsebalance_pl.kernels.layout import candidate_tiles, forced_tiles, token_doc_ids
+from sparsebalance_pl.kernels.recall import sampled_rows
 from sparsebalance_pl.kernels.selection import estimate_block_mass
 
 CU = torch.tensor([0, 70, 75, 200, 300], dtype=torch.int32)  # documents not aligned to blocks of 16 or 32
@@ -172,6 +173,23 @@ def test_recall_of_full_mask_is_one():
     full = candidates.expand(4, -1, -1).clone()
     assert attention_recall(q, k, full, CU, block_size=16, per_head=True).tolist() == pytest.approx([1.0] * 4)
 
+
+
+def test_recall_measures_a_document_on_the_same_rows_wherever_it_is_packed():
+    """Planners pack the same documents differently; their recalls must differ only by what the masks keep."""
+    docs = [qk(seed, smooth=True, num_tokens=n) for seed, n in ((1, 96), (2, 160))]
+
+    def packed(order):
+        q, k = (torch.cat([docs[i][j] for i in order]) for j in (0, 1))
+        cu = torch.tensor([0] + [sum(len(docs[i][0]) for i in order[: j + 1]) for j in range(len(order))],
+                          dtype=torch.int32)
+        mask = select_blocks(q, k, cu, block_size=16, tau=0.7, stride=8)  # documents aligned to blocks
+        return attention_recall(q, k, mask, cu, block_size=16, num_rows=32, per_head=True)
+
+    assert packed([0, 1]).tolist() == pytest.approx(packed([1, 0]).tolist(), abs=1e-6)
+    rows, weights = sampled_rows(torch.tensor([0, 96, 256]), num_rows=32)
+    assert rows.tolist()[:12] == sorted(torch.randperm(96, generator=torch.Generator().manual_seed(0))[:12].tolist())
+    assert len(rows) == 12 + 20 and weights.tolist() == [8.0] * 32
 
 @pytest.mark.parametrize(
     "kwargs,match",
