@@ -61,12 +61,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import yaml  # noqa: E402
 from rich.progress import (  # noqa: E402
-    BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn, track,
+    BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from sparsebalance_pl.balance import balance_efficiency, imbalance  # noqa: E402
+from sparsebalance_pl.progress import LoggedProgress  # noqa: E402
 
 # name: (attention backend, batching, DST p: 0 measures only, None tunes with --p)
 VARIANTS = {
@@ -296,10 +297,11 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
         if args.calibrate_steps:
             calibration, items = EmulatedRanks(module, args.ranks, 1, controller=controller), data.items("train")
             steps = data.train_plan(args.ranks, rank=0, epoch=1).plan()[: args.calibrate_steps]
-            for i, step in enumerate(track(steps, description=f"calibrating {name}", transient=True)):
-                done = calibration.step(step_batches(items, step), update=False)
-                if i:  # the first step's predictions come from the uncalibrated table
-                    residuals.append([math.log(m / q) for m, q in zip(done.rank_seconds, done.predicted_seconds)])
+            with LoggedProgress(transient=True) as bar:
+                for i, step in enumerate(bar.track(steps, description=f"calibrating {name}")):
+                    done = calibration.step(step_batches(items, step), update=False)
+                    if i:  # the first step's predictions come from the uncalibrated table
+                        residuals.append([math.log(m / q) for m, q in zip(done.rank_seconds, done.predicted_seconds)])
         state = {"cost_model": module.cost_model.state_dict(), "controller": controller.state_dict(),
                  "residuals": residuals}
         (run_dir / CALIBRATED_STATE).write_text(json.dumps(state, default=lambda array: array.tolist()))
@@ -339,7 +341,7 @@ def emulate_variants(base: dict, names: list[str], args: argparse.Namespace, rou
     started = time.perf_counter()
     columns = (TextColumn("emulating {task.description:<24}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns) as bar:
+    with LoggedProgress(*columns) as bar:
         task = bar.add_task("", total=sum(len(run.plan) for run in runs.values()))
         for i in range(max(len(run.plan) for run in runs.values())):
             for name, run in runs.items():

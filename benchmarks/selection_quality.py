@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from transformers import AttentionInterface
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -49,6 +49,7 @@ from variant_spec import parse_variant  # noqa: E402
 from sparsebalance_pl.attention import varlen_causal_attention  # noqa: E402
 from sparsebalance_pl.kernels.layout import token_doc_ids  # noqa: E402
 from sparsebalance_pl.kernels.selection import rank_blocks  # noqa: E402
+from sparsebalance_pl.progress import LoggedProgress  # noqa: E402
 from sparsebalance_pl.loss import chunked_cross_entropy_sum  # noqa: E402
 from sparsebalance_pl.model import ModelConfig  # noqa: E402
 
@@ -288,7 +289,7 @@ def main(argv=None) -> None:
     results = []
     forwards = len(args.lengths) * args.streams * (1 + len(args.taus) * len(variants))
     columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, transient=True) as bar:
+    with LoggedProgress(*columns, transient=True) as bar:
         task = bar.add_task("", total=forwards)
         for length in args.lengths:
             streams = pack_streams(docs, length, args.streams, args.seed)

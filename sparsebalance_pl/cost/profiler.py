@@ -35,7 +35,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from transformers import AttentionInterface
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
 
@@ -44,6 +44,7 @@ from sparsebalance_pl.loss import chunked_cross_entropy_sum
 from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, AttentionContext
 from sparsebalance_pl.kernels.selection import LayerBudget, selection_options
 from sparsebalance_pl.model import ModelConfig, ModelDims, PackedCausalLM
+from sparsebalance_pl.progress import LoggedProgress
 
 log = logging.getLogger(__name__)
 
@@ -466,7 +467,7 @@ def _measure(
     sweeps = [cells] + [[cells[i] for i in shuffle.permutation(len(cells))] for _ in range(grid.passes - 1)]
     times: dict[tuple, float] = {}
     columns = (TextColumn("profiling {task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, disable=not progress, transient=False) as bar:
+    with LoggedProgress(*columns, disable=not progress, transient=False) as bar:
         task = bar.add_task("", total=len(cells) * grid.passes)
         for cell in (cell for sweep in sweeps for cell in sweep):
             part, n, extra, *docs = cell
