@@ -351,11 +351,13 @@ def emulate_variants(base: dict, names: list[str], args: argparse.Namespace, rou
                     bar.advance(task)
     print(f"  {', '.join(f'{name} {len(run.done)}' for name, run in runs.items())} steps of {args.ranks} ranks, "
           f"interleaved, {time.perf_counter() - started:.0f} s", flush=True)
-    return {name: summarise_emulated(name, run, args) for name, run in runs.items()}
+    losses: dict[str, float] = {}  # frozen weights: one validation per attention backend serves every variant
+    return {name: summarise_emulated(name, run, args, losses) for name, run in runs.items()}
 
 
-def summarise_emulated(name: str, run: EmulatedRun, args: argparse.Namespace) -> dict:
-    """One variant's emulated epoch summed up, and its validation loss measured."""
+def summarise_emulated(name: str, run: EmulatedRun, args: argparse.Namespace, losses: dict[str, float]) -> dict:
+    """One variant's emulated epoch summed up, and its validation loss measured (with ``--frozen``, taken from
+    ``losses`` if a variant of the same backend measured it)."""
     from sparsebalance_pl.emulation import allreduce_seconds, validation_loss
 
     module, data, done = run.module, run.data, run.done
@@ -366,6 +368,9 @@ def summarise_emulated(name: str, run: EmulatedRun, args: argparse.Namespace) ->
     if len(done) <= args.warmup:
         raise SystemExit(f"variant {name} ran {len(done)} steps: none is left after --warmup {args.warmup}")
     parameters = sum(p.numel() for p in module.parameters())
+    backend = VARIANTS[name][0]
+    val_loss = losses[backend] if args.frozen and backend in losses else validation_loss(module, data)
+    losses[backend] = val_loss
     return {
         "steps": len(done),
         "hidden_size": module.dims.hidden_size,
@@ -379,7 +384,7 @@ def summarise_emulated(name: str, run: EmulatedRun, args: argparse.Namespace) ->
         "attention_share_of_compute": sum(r.report.attention_seconds for r in records) / sum(map(sum, rank_s)),
         "collective_estimate_s": len(done) * allreduce_seconds(parameters, args.ranks, args.bandwidth_gbps),
         "train_loss": statistics.fmean(step.loss for step in done[-5:]),
-        "val_loss": validation_loss(module, data),
+        "val_loss": val_loss,
         "recall": sum(n * r for n, r in recalls) / sum(n for n, _ in recalls) if recalls else math.nan,
         "density": statistics.fmean(r.report.mean_density for r in records),
         "curves": {
