@@ -279,12 +279,12 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(variant_config(base, name, args, run_dir), sort_keys=False))
-    # a calibrated state brings its own latency table: profiling this process's hardware would be wasted, and
-    # would overwrite the table file the emulation used (a check run on other threads, say)
+    # a calibrated state brings its own latency table and density estimate: profiling this process's hardware
+    # would be wasted, and would overwrite the table file the emulation used (a check run on other threads, say)
     module, data, trainer = build(["--config", str(config_path)]
                                   + (["--model.latency_profile=false"] if calibrated is not None else []))
     backend, _, variant_p = VARIANTS[name]
-    if backend == "sparse":  # what the DensityCalibration callback does before a real run plans its epoch
+    if backend == "sparse" and calibrated is None:  # what DensityCalibration does before a real run's epoch
         module.calibrate_density(data.calibration_batches(min_length=module.attention_config.block_size))
     p = args.p if variant_p is None else variant_p
     controller = DSTController(module.cost_model, module.base_budgets, anchor=args.anchor, p=p,
