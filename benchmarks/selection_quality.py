@@ -49,9 +49,9 @@ from variant_spec import parse_variant  # noqa: E402
 from sparsebalance_pl.attention import varlen_causal_attention  # noqa: E402
 from sparsebalance_pl.kernels.layout import token_doc_ids  # noqa: E402
 from sparsebalance_pl.kernels.selection import rank_blocks  # noqa: E402
-from sparsebalance_pl.progress import LoggedProgress  # noqa: E402
 from sparsebalance_pl.loss import chunked_cross_entropy_sum  # noqa: E402
 from sparsebalance_pl.model import ModelConfig  # noqa: E402
+from sparsebalance_pl.progress import LoggedProgress  # noqa: E402
 
 IMPLEMENTATION = "selection_quality"
 _ROWS = 256  # query rows per chunk of the exact pass (a multiple of every block size used)

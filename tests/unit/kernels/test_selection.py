@@ -174,7 +174,6 @@ def test_recall_of_full_mask_is_one():
     assert attention_recall(q, k, full, CU, block_size=16, per_head=True).tolist() == pytest.approx([1.0] * 4)
 
 
-
 def test_recall_measures_a_document_on_the_same_rows_wherever_it_is_packed():
     """Planners pack the same documents differently; their recalls must differ only by what the masks keep."""
     docs = [qk(seed, smooth=True, num_tokens=n) for seed, n in ((1, 96), (2, 160))]
@@ -190,6 +189,7 @@ def test_recall_measures_a_document_on_the_same_rows_wherever_it_is_packed():
     rows, weights = sampled_rows(torch.tensor([0, 96, 256]), num_rows=32)
     assert rows.tolist()[:12] == sorted(torch.randperm(96, generator=torch.Generator().manual_seed(0))[:12].tolist())
     assert len(rows) == 12 + 20 and weights.tolist() == [8.0] * 32
+
 
 @pytest.mark.parametrize(
     "kwargs,match",
