@@ -351,16 +351,23 @@ def emulate_variants(base: dict, names: list[str], args: argparse.Namespace, rou
                     bar.advance(task)
     print(f"  {', '.join(f'{name} {len(run.done)}' for name, run in runs.items())} steps of {args.ranks} ranks, "
           f"interleaved, {time.perf_counter() - started:.0f} s", flush=True)
-    losses: dict[str, float] = {}  # frozen weights: one validation per attention backend serves every variant
-    return {name: summarise_emulated(name, run, args, losses) for name, run in runs.items()}
+    from sparsebalance_pl.emulation import validation_loss
+
+    losses: dict[str, float] = {}  # frozen weights: every variant of a backend ends with the model it started from
+    summaries = {}
+    for name, run in runs.items():
+        key = VARIANTS[name][0] if args.frozen else name
+        if key not in losses:
+            losses[key] = validation_loss(run.module, run.data)
+        summaries[name] = summarise_emulated(name, run, args, losses[key])
+    return summaries
 
 
-def summarise_emulated(name: str, run: EmulatedRun, args: argparse.Namespace, losses: dict[str, float]) -> dict:
-    """One variant's emulated epoch summed up, and its validation loss measured (with ``--frozen``, taken from
-    ``losses`` if a variant of the same backend measured it)."""
-    from sparsebalance_pl.emulation import allreduce_seconds, validation_loss
+def summarise_emulated(name: str, run: EmulatedRun, args: argparse.Namespace, val_loss: float) -> dict:
+    """One variant's emulated epoch summed up, with its measured validation loss."""
+    from sparsebalance_pl.emulation import allreduce_seconds
 
-    module, data, done = run.module, run.data, run.done
+    module, done = run.module, run.done
     records = [record for step in done for observation in step.observations for record in observation.records]
     recalls = [(sum(r.lengths), r.report.recall) for r in records if r.report.recall is not None]
     rank_s = [step.rank_seconds for step in done]
@@ -368,9 +375,6 @@ def summarise_emulated(name: str, run: EmulatedRun, args: argparse.Namespace, lo
     if len(done) <= args.warmup:
         raise SystemExit(f"variant {name} ran {len(done)} steps: none is left after --warmup {args.warmup}")
     parameters = sum(p.numel() for p in module.parameters())
-    backend = VARIANTS[name][0]
-    val_loss = losses[backend] if args.frozen and backend in losses else validation_loss(module, data)
-    losses[backend] = val_loss
     return {
         "steps": len(done),
         "hidden_size": module.dims.hidden_size,

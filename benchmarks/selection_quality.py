@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from variant_spec import parse_variant  # noqa: E402
 from sparsebalance_pl.attention import varlen_causal_attention  # noqa: E402
 from sparsebalance_pl.kernels.layout import token_doc_ids  # noqa: E402
-from sparsebalance_pl.kernels.selection import rank_blocks  # noqa: E402
+from sparsebalance_pl.kernels.selection import SELECTION_OPTIONS, rank_blocks, selection_options  # noqa: E402
 from sparsebalance_pl.loss import chunked_cross_entropy_sum  # noqa: E402
 from sparsebalance_pl.model import ModelConfig  # noqa: E402
 from sparsebalance_pl.progress import LoggedProgress  # noqa: E402
@@ -74,8 +74,6 @@ class Variant:
         name, settings = parse_variant(spec, "--variants")
         variant = cls(name)
         for key, value in settings.items():
-            if key == "per_head_tau" and not isinstance(value, bool):
-                raise SystemExit(f"--variants {spec!r}: per_head_tau is true or false")
             if key in _RANK_KEYS:
                 variant.rank_kwargs[key] = value
             elif key in _FLOAT_KEYS + _LAYER_KEYS:
@@ -84,6 +82,10 @@ class Variant:
                 raise SystemExit(f"--variants {spec!r}: unknown key {key!r}")
         if (variant.late_tau is None) != (variant.late_from is None):
             raise SystemExit(f"--variants {spec!r}: late_tau and late_from go together")
+        try:  # the kernels' own checks, before the model is loaded
+            selection_options(**{k: v for k, v in variant.rank_kwargs.items() if k in SELECTION_OPTIONS})
+        except ValueError as err:
+            raise SystemExit(f"--variants {spec!r}: {err}") from None
         return variant
 
     def layer_tau(self, layer: int, tau: float) -> float:

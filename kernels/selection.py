@@ -73,6 +73,8 @@ def selection_options(**options) -> dict:
     for name, least in (("sink_blocks", 0), ("local_blocks", 1), ("recall_probes", 0)):
         if not isinstance(merged[name], int) or isinstance(merged[name], bool) or merged[name] < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {merged[name]!r}")
+    if not isinstance(merged["per_head_tau"], bool):
+        raise ValueError(f"per_head_tau must be true or false, got {merged['per_head_tau']!r}")
     if merged["per_head_tau"] and not merged["recall_probes"]:
         raise ValueError("per_head_tau needs recall_probes >= 1: the probes measure each head's exact recall")
     return merged
