@@ -30,7 +30,7 @@ from sparsebalance_pl.cost.latency import LatencyModel
 
 Anchor = Literal["mean", "median", "min", "max", "adaptive"]
 ANCHORS: tuple[str, ...] = ("mean", "median", "min", "max", "adaptive")
-#: Fixed anchors in the order the adaptive anchor tries them (cheapest step time first).
+#: The anchors that are a fixed statistic of the ranks' predicted base times.
 FIXED_ANCHORS: tuple[str, ...] = ("min", "median", "mean", "max")
 MIN_TAU = 0.01
 
@@ -89,25 +89,36 @@ def recall_drop(outlooks: Sequence[Outlook], anchor: float, p: float, recall_slo
     return float(-recall_slope * (tokens * change).sum() / max(tokens.sum(), 1.0))
 
 
-def adaptive_anchor(
-    outlooks: Sequence[Outlook], p: float, recall_slope: float, tolerance: float
-) -> tuple[str, float]:
-    """The fixed anchor with the lowest predicted step time whose predicted recall loss is within ``tolerance``.
+def adaptive_anchor(outlooks: Sequence[Outlook], p: float, recall_slope: float, tolerance: float) -> float:
+    """The lowest anchor, between the fastest and the slowest rank's base time, whose predicted recall loss is
+    within ``tolerance``.
 
     The step lasts as long as the slowest rank; a lower anchor shortens it but makes stragglers sparser.
-    ``recall_slope`` (recall gained per unit of density, observed during training) says what that costs:
-    near 1 in a near-uniform regime, near 0 where attention is sharp. Ties in step time go to the anchor
-    losing less recall; ``max`` never loses recall, so there is always a choice.
+    ``recall_slope`` (recall gained per unit of density, observed during training) says what that costs: near
+    1 in a near-uniform regime, near 0 where attention is sharp. The predicted loss falls as the anchor rises
+    and is at most 0 at the slowest base time (no rank gets sparser), so bisection finds the lowest anchor
+    within the allowance; with a slope of 0 or less, recall does not favour a higher anchor, and it is the fastest.
     """
     base = [o.base for o in outlooks]
-    options = []
-    for name in FIXED_ANCHORS:
-        anchor = anchor_time(base, name)
-        step = max(o.at(anchor) for o in outlooks)
-        options.append((step, recall_drop(outlooks, anchor, p, recall_slope), name, anchor))
-    feasible = [o for o in options if o[1] <= tolerance] or [min(options, key=lambda o: o[1])]
-    _, _, name, anchor = min(feasible, key=lambda o: (round(o[0], 12), o[1]))
-    return name, anchor
+    low, high = min(base), max(base)
+    if recall_slope <= 0 or recall_drop(outlooks, low, p, recall_slope) <= tolerance:
+        return low
+    while high - low > 1e-6 * high:
+        middle = 0.5 * (low + high)
+        if recall_drop(outlooks, middle, p, recall_slope) <= tolerance:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def reachable_anchor(outlooks: Sequence[Outlook], anchor: float) -> float:
+    """``anchor``, raised to the time the slowest rank reaches at its sparsest (at most its base time).
+
+    The step cannot end before that rank does, so an anchor below it would hold the faster ranks at budgets
+    sparser than the step's time allows, losing recall and gaining nothing.
+    """
+    return max(anchor, max(o.low for o in outlooks))
 
 
 @dataclass(frozen=True)

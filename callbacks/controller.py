@@ -31,6 +31,7 @@ from sparsebalance_pl.callbacks.budget import (
     anchor_time,
     outlook,
     rank_budget,
+    reachable_anchor,
 )
 from sparsebalance_pl.cost import CostModel, LatencyModel, StepObservation
 from sparsebalance_pl.cost.model import timed_seconds
@@ -72,17 +73,17 @@ class Decision:
     """One step's budgets for every rank, and the predictions they came from.
 
     Attributes:
-        anchor: the anchor time in seconds; ``anchor_name`` the fixed anchor it is (the adaptive one picks).
+        anchor: the anchor time in seconds.
         ranks: per rank, its move and per-layer budgets.
         predicted_base: per rank, predicted whole-step seconds at the base budgets.
         predicted: per rank, predicted whole-step seconds at the chosen budgets.
         anchor_drift: the anchor's move since the previous decision, on the previous step's documents (the
-            anchor the current cost model gives them over the one decided then; None at the first step): what
-            calibration moved, apart from the change of workload between steps.
+            anchor the controller now gives them over the one decided then; None at the first step): what
+            learning moved (calibration, and the adaptive anchor's recall slope), apart from the change of
+            workload between steps.
     """
 
     anchor: float
-    anchor_name: str
     ranks: list[RankBudget]
     predicted_base: list[float]
     predicted: list[float]
@@ -106,8 +107,9 @@ class DSTController:
         cost_model: the run's cost model (predictions per rank, including each rank's learned speed).
         base_budgets: the configured per-layer budgets, which tuning moves away from.
         anchor: ``mean``, ``median``, ``min``, ``max`` of the ranks' predicted times at the base budget, or
-            ``adaptive``: the fixed anchor with the shortest predicted step whose predicted token-weighted
-            recall loss, from the recall-per-density slope observed so far, stays within ``recall_tolerance``.
+            ``adaptive``: the lowest time between min and max whose predicted token-weighted recall loss, from
+            the recall-per-density slope observed so far, stays within ``recall_tolerance``. Any anchor is
+            raised to the longest time a rank takes at its sparsest (``reachable_anchor``).
         p: largest move of tau away from the base budget, in [0, 1]; 0 keeps the base budgets (the static
             baseline). The kept tiles scale with the cost model so that no rank passes the anchor time
             (``callbacks.budget``).
@@ -148,13 +150,11 @@ class DSTController:
             self.shifts = [None] * len(lengths)
         models = [self.cost_model.for_rank(r, share) for r, share in enumerate(shares)]
         views = self._views(models, lengths)
-        name, anchor = self._anchor(views)
+        anchor = self._anchor(views)
         drift = None
         if self.last is not None and len(self.last_lengths) == len(lengths) and self.last.anchor > 0:
-            # the same kind of anchor as then: the adaptive one may pick another kind for other predictions
             last_models = [self.cost_model.for_rank(r, share) for r, share in enumerate(self.last_shares)]
-            then = [v.base for v in self._views(last_models, self.last_lengths)]
-            drift = anchor_time(then, self.last.anchor_name) / self.last.anchor
+            drift = self._anchor(self._views(last_models, self.last_lengths)) / self.last.anchor
         base = [v.base for v in views]
         timed = [timed_seconds(model, ls, v.density) / v.base for model, ls, v in zip(models, lengths, views)]
         targets = self._targets(views, anchor, max(timed))
@@ -165,7 +165,7 @@ class DSTController:
         self.shifts = [budget.shift for budget in ranks]
         self.budgets = [budget.budgets for budget in ranks]
         moved = [v.at(t) for v, t in zip(views, targets)]
-        self.last = Decision(anchor, name, ranks, base, moved, drift)
+        self.last = Decision(anchor, ranks, base, moved, drift)
         self.last_lengths, self.last_shares = lengths, shares
         return self.last
 
@@ -187,10 +187,12 @@ class DSTController:
         c = confidence(self.cost_model.error)
         return (base + c * (anchor - base)).tolist()
 
-    def _anchor(self, views: Sequence[Outlook]) -> tuple[str, float]:
+    def _anchor(self, views: Sequence[Outlook]) -> float:
         if self.anchor == "adaptive":
-            return adaptive_anchor(views, self.p, self.recall_slope.slope, self.recall_tolerance)
-        return self.anchor, anchor_time([v.base for v in views], self.anchor)
+            anchor = adaptive_anchor(views, self.p, self.recall_slope.slope, self.recall_tolerance)
+        else:
+            anchor = anchor_time([v.base for v in views], self.anchor)
+        return reachable_anchor(views, anchor)
 
     def learn(self, observation: StepObservation) -> None:
         """What the step did: the recall each rank's density bought (for the adaptive anchor)."""

@@ -34,14 +34,15 @@ class DynamicSparsityTuning(Callback):
 
     Args:
         anchor: ``mean`` (default), ``median``, ``min``, ``max`` of the ranks' predicted times at the base
-            budget, or ``adaptive`` (``DSTController``).
+            budget, or ``adaptive`` (``DSTController``); raised to the longest time a rank takes at its sparsest.
         p: largest move of tau away from the base budget, in [0, 1]. The kept tiles scale with the cost model so
             that no rank passes the anchor time: a straggler's scale brings it down to the anchor (no lower than
             ``min_density``), a fast rank's stops it there (``callbacks.budget``).
         min_density: the lowest density a straggler aims at, in [0, 1].
         recall_tolerance: the adaptive anchor's allowance for predicted loss of mean recall.
 
-    Logged per step (the same on every rank): ``dst/anchor_s``, ``dst/anchor_drift`` (its move since the
+    Logged per step (the same on every rank): ``dst/anchor_s``, ``dst/anchor_position`` (where it lies between
+    the fastest and the slowest rank's predicted base time, 0 to 1), ``dst/anchor_drift`` (its move since the
     previous step on that step's documents: what learning moved, apart from the workload),
     ``dst/prediction_error`` (the cost model's recent error, which sets the deadband) and ``dst/confidence``
     (the share of a move it allows), ``dst/predicted_imbalance_base`` and
@@ -119,8 +120,9 @@ class DynamicSparsityTuning(Callback):
         }
         if decision.anchor_drift is not None:
             logs["dst/anchor_drift"] = decision.anchor_drift
-        if self.anchor == "adaptive":
-            logs["dst/adaptive_anchor"] = ("min", "median", "mean", "max").index(decision.anchor_name)
+        fastest, slowest = min(decision.predicted_base), max(decision.predicted_base)
+        if slowest > fastest:
+            logs["dst/anchor_position"] = (decision.anchor - fastest) / (slowest - fastest)
         for r, (base, moved) in enumerate(zip(decision.predicted_base, decision.predicted)):
             logs.update({f"dst/rank{r}/predicted_base_s": base, f"dst/rank{r}/predicted_s": moved})
         _log(pl_module, logs)

@@ -10,6 +10,7 @@ from sparsebalance_pl.callbacks.budget import (
     anchor_time,
     outlook,
     rank_budget,
+    reachable_anchor,
     recall_drop,
 )
 from sparsebalance_pl.cost import CostModel
@@ -102,14 +103,31 @@ def test_anchors():
 def test_adaptive_anchor_trades_speed_for_recall(model):
     p = 0.1
     views = _views(model, p)
-    steps = {name: max(v.at(anchor_time([w.base for w in views], name)) for v in views)
-             for name in ("min", "median", "mean", "max")}
-    # Recall that does not depend on density: take the fastest step.
-    name, _ = adaptive_anchor(views, p, recall_slope=0.0, tolerance=0.0)
-    assert steps[name] == pytest.approx(min(steps.values()))
-    # Recall that follows density and no allowance: never lose recall.
-    name, anchor = adaptive_anchor(views, p, recall_slope=1.0, tolerance=0.0)
-    assert recall_drop(views, anchor, p, 1.0) <= 1e-12
+    fastest = min(v.base for v in views)
+    # Recall that does not depend on density: the fastest step.
+    assert adaptive_anchor(views, p, recall_slope=0.0, tolerance=0.0) == fastest
+    # Recall that follows density and no allowance: the lowest anchor that loses no recall.
+    anchor = adaptive_anchor(views, p, recall_slope=1.0, tolerance=0.0)
+    assert fastest < anchor < max(v.base for v in views)
+    assert recall_drop(views, anchor, p, 1.0) <= 0.0 < recall_drop(views, anchor * (1 - 1e-4), p, 1.0)
+    # An allowance buys a shorter step.
+    allowed = adaptive_anchor(views, p, recall_slope=1.0, tolerance=0.01)
+    assert allowed < anchor and recall_drop(views, allowed, p, 1.0) == pytest.approx(0.01, abs=1e-6)
+
+
+def test_an_anchor_below_the_slowest_ranks_floor_is_raised_to_it(model):
+    """With the straggler's floor above the mean, the mean anchor would keep the fast rank sparser than the
+    step's time allows."""
+    p = 0.2
+    views = [outlook(model, lengths, [0.4] * len(lengths), p, min_density=0.35) for lengths in (LONG, [2048] * 2)]
+    mean = anchor_time([v.base for v in views], "mean")
+    straggler_floor = views[0].low
+    assert mean < straggler_floor < views[0].base
+    raised = reachable_anchor(views, mean)
+    assert raised == straggler_floor
+    assert max(v.at(raised) for v in views) == max(v.at(mean) for v in views)  # the same step
+    assert views[1].density_at(raised, p) > views[1].density_at(mean, p)  # the fast rank denser
+    assert reachable_anchor(views, views[0].base) == views[0].base
 
 
 def test_speed_scales_only_the_timed_terms(model):
