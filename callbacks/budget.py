@@ -19,6 +19,7 @@ density target is the density at which its predicted time equals A. The move bec
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -82,16 +83,31 @@ def anchor_time(times: Sequence[float], anchor: str) -> float:
     return float(reduce[anchor](np.asarray(times, dtype=np.float64)))
 
 
-def recall_drop(outlooks: Sequence[Outlook], anchor: float, p: float, recall_slope: float) -> float:
-    """Predicted token-weighted loss of recall against the base budget once every rank moved toward ``anchor``."""
+def target_time(view: Outlook, anchor: float, margin: float = 0.0) -> float:
+    """The time a rank aims at: the anchor; for a rank below it, the anchor less the relative ``margin`` (how far
+    predictions may be off), but not below its base time.
+
+    Errors cost unevenly: a fast rank that overshoots becomes the straggler every rank waits for, one that
+    stops short loses only the recall of a little density.
+    """
+    if view.base >= anchor:
+        return anchor
+    return max(view.base, anchor * math.exp(-margin))
+
+
+def recall_drop(outlooks: Sequence[Outlook], anchor: float, p: float, recall_slope: float, margin: float = 0.0) -> float:
+    """Predicted token-weighted loss of recall against the base budget once every rank moved toward ``anchor``
+    (fast ranks to ``target_time``)."""
     tokens = np.array([o.tokens for o in outlooks])
-    change = np.array([o.density_at(anchor, p) - o.density for o in outlooks])
+    change = np.array([o.density_at(target_time(o, anchor, margin), p) - o.density for o in outlooks])
     return float(-recall_slope * (tokens * change).sum() / max(tokens.sum(), 1.0))
 
 
-def adaptive_anchor(outlooks: Sequence[Outlook], p: float, recall_slope: float, tolerance: float) -> float:
+def adaptive_anchor(
+    outlooks: Sequence[Outlook], p: float, recall_slope: float, tolerance: float, margin: float = 0.0
+) -> float:
     """The lowest anchor, between the fastest and the slowest rank's base time, whose predicted recall loss is
-    within ``tolerance``.
+    within ``tolerance`` (fast ranks aiming at ``target_time`` with ``margin``).
 
     The step lasts as long as the slowest rank; a lower anchor shortens it but makes stragglers sparser.
     ``recall_slope`` (recall gained per unit of density, observed during training) says what that costs: near
@@ -101,11 +117,11 @@ def adaptive_anchor(outlooks: Sequence[Outlook], p: float, recall_slope: float, 
     """
     base = [o.base for o in outlooks]
     low, high = min(base), max(base)
-    if recall_slope <= 0 or recall_drop(outlooks, low, p, recall_slope) <= tolerance:
+    if recall_slope <= 0 or recall_drop(outlooks, low, p, recall_slope, margin) <= tolerance:
         return low
     while high - low > 1e-6 * high:
         middle = 0.5 * (low + high)
-        if recall_drop(outlooks, middle, p, recall_slope) <= tolerance:
+        if recall_drop(outlooks, middle, p, recall_slope, margin) <= tolerance:
             high = middle
         else:
             low = middle
@@ -113,7 +129,7 @@ def adaptive_anchor(outlooks: Sequence[Outlook], p: float, recall_slope: float, 
 
 
 def reachable_anchor(outlooks: Sequence[Outlook], anchor: float) -> float:
-    """``anchor``, raised to the time the slowest rank reaches at its sparsest (at most its base time).
+    """``anchor``, raised to the longest time any rank takes at its sparsest (never above the slowest base time).
 
     The step cannot end before that rank does, so an anchor below it would hold the faster ranks at budgets
     sparser than the step's time allows, losing recall and gaining nothing.

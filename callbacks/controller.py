@@ -1,8 +1,9 @@
 """Dynamic sparsity tuning's decisions without Lightning: the budgets of every rank for one step.
 
 It does no harm where its predictions cannot be trusted: a step whose predicted imbalance lies within the cost
-model's own measured error keeps the base budgets (the deadband), and while that error is large (an
-uncalibrated prior, a new module) each rank moves only part of the way toward the anchor (the damping).
+model's own measured error keeps the base budgets (the deadband), while that error is large (an uncalibrated
+prior, a new module) each rank moves only part of the way toward the anchor (the damping), and a fast rank
+stops short of the anchor by that error (the margin), since overshooting it would make it the straggler.
 
 ``DSTController.plan`` takes every rank's documents for the coming micro-batch and returns every rank's
 budgets; ``learn`` takes what the step did (the ``StepObservation`` the cost model made of it). Given the same
@@ -32,6 +33,7 @@ from sparsebalance_pl.callbacks.budget import (
     outlook,
     rank_budget,
     reachable_anchor,
+    target_time,
 )
 from sparsebalance_pl.cost import CostModel, LatencyModel, StepObservation
 from sparsebalance_pl.cost.model import timed_seconds
@@ -150,14 +152,16 @@ class DSTController:
             self.shifts = [None] * len(lengths)
         models = [self.cost_model.for_rank(r, share) for r, share in enumerate(shares)]
         views = self._views(models, lengths)
-        anchor = self._anchor(views)
+        # the cost model's error on the timed part (attention, selection), which is this share of a step at most
+        timed = [timed_seconds(model, ls, v.density) / v.base for model, ls, v in zip(models, lengths, views)]
+        margin = self.cost_model.error * max(timed)
+        anchor = self._anchor(views, margin)
         drift = None
         if self.last is not None and len(self.last_lengths) == len(lengths) and self.last.anchor > 0:
             last_models = [self.cost_model.for_rank(r, share) for r, share in enumerate(self.last_shares)]
-            drift = self._anchor(self._views(last_models, self.last_lengths)) / self.last.anchor
+            drift = self._anchor(self._views(last_models, self.last_lengths), margin) / self.last.anchor
         base = [v.base for v in views]
-        timed = [timed_seconds(model, ls, v.density) / v.base for model, ls, v in zip(models, lengths, views)]
-        targets = self._targets(views, anchor, max(timed))
+        targets = self._targets(views, anchor, margin)
         ranks = [
             rank_budget(model, ls, view, target, self.p, self.base_budgets, shift)
             for model, ls, view, target, shift in zip(models, lengths, views, targets, self.shifts)
@@ -173,23 +177,23 @@ class DSTController:
         density = self.cost_model.document_density
         return [outlook(model, ls, density(ls), self.p, self.min_density) for model, ls in zip(models, lengths)]
 
-    def _targets(self, views: Sequence[Outlook], anchor: float, timed_share: float) -> list[float]:
-        """Each rank's target time: its base time inside the deadband or with p = 0, else the anchor, damped by
-        the cost model's ``confidence``.
+    def _targets(self, views: Sequence[Outlook], anchor: float, margin: float) -> list[float]:
+        """Each rank's target time: its base time inside the deadband or with p = 0, else its ``target_time``
+        (the anchor, less ``margin`` for a fast rank), damped by the cost model's ``confidence``.
 
-        The deadband compares the predicted imbalance with how far the predictions may be off: the cost model's
-        error on the timed part (attention, selection), which is ``timed_share`` of a step at most.
+        ``margin`` is how far the predictions of a step may be off; the deadband holds the base budgets while
+        the predicted imbalance is within it.
         """
         base = np.array([v.base for v in views])
-        noise = self.cost_model.error * timed_share
-        if self.p <= 0 or imbalance(base) - 1.0 <= noise:
+        if self.p <= 0 or imbalance(base) - 1.0 <= margin:
             return base.tolist()
         c = confidence(self.cost_model.error)
-        return (base + c * (anchor - base)).tolist()
+        goals = np.array([target_time(v, anchor, margin) for v in views])
+        return (base + c * (goals - base)).tolist()
 
-    def _anchor(self, views: Sequence[Outlook]) -> float:
+    def _anchor(self, views: Sequence[Outlook], margin: float) -> float:
         if self.anchor == "adaptive":
-            anchor = adaptive_anchor(views, self.p, self.recall_slope.slope, self.recall_tolerance)
+            anchor = adaptive_anchor(views, self.p, self.recall_slope.slope, self.recall_tolerance, margin)
         else:
             anchor = anchor_time([v.base for v in views], self.anchor)
         return reachable_anchor(views, anchor)

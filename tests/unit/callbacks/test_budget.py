@@ -12,6 +12,7 @@ from sparsebalance_pl.callbacks.budget import (
     rank_budget,
     reachable_anchor,
     recall_drop,
+    target_time,
 )
 from sparsebalance_pl.cost import CostModel
 from sparsebalance_pl.latency import LatencyModel
@@ -113,6 +114,15 @@ def test_adaptive_anchor_trades_speed_for_recall(model):
     # An allowance buys a shorter step.
     allowed = adaptive_anchor(views, p, recall_slope=1.0, tolerance=0.01)
     assert allowed < anchor and recall_drop(views, allowed, p, 1.0) == pytest.approx(0.01, abs=1e-6)
+
+
+def test_only_fast_ranks_keep_a_margin_below_the_anchor(model):
+    slow, fast = _views(model, 0.1)
+    anchor = 0.5 * (slow.base + fast.base)
+    assert target_time(slow, anchor, margin=0.1) == anchor
+    assert target_time(fast, anchor, margin=0.1) == pytest.approx(anchor * np.exp(-0.1))
+    assert target_time(fast, fast.base * 1.01, margin=0.1) == fast.base  # never below its own time
+    assert target_time(fast, anchor) == anchor
 
 
 def test_an_anchor_below_the_slowest_ranks_floor_is_raised_to_it(model):

@@ -13,6 +13,7 @@ TAU0 = 0.9
 BASE = [LayerBudget(TAU0)] * 4
 IMBALANCED = [[8192], [2048] * 4]  # same tokens, very different attention work
 BALANCED = [[2048, 2048], [2048, 2048]]
+MIXED = [[8192], [4096, 2048], [4096, 1024, 1024], [2048] * 3]
 
 
 def _cost(error: float) -> CostModel:
@@ -31,6 +32,19 @@ def test_calibrated_model_moves_the_straggler_down_and_the_fast_rank_up():
     assert slow.shift < 0 < fast.shift
     assert decision.predicted[0] < decision.predicted_base[0] and decision.predicted[1] > decision.predicted_base[1]
     assert max(decision.predicted) < max(decision.predicted_base)
+
+
+def test_a_fast_rank_stops_short_of_the_anchor_by_the_prediction_error():
+    """Overshooting would make it the straggler; the straggler itself still comes down to the anchor."""
+    exact, cautious = (DSTController(_cost(error), BASE, p=0.3).plan(MIXED) for error in (0.0, 0.05))
+    assert exact.anchor == pytest.approx(cautious.anchor)
+    for r in (1, 2):  # below the anchor, with room up to it
+        assert exact.predicted[r] == pytest.approx(exact.anchor)
+        # the margin is the error on the timed share of the step, at most the error itself
+        assert exact.anchor * np.exp(-0.05) <= cautious.predicted[r] < exact.predicted[r]
+    c = confidence(0.05)
+    expected = cautious.predicted_base[0] + c * (cautious.anchor - cautious.predicted_base[0])
+    assert cautious.predicted[0] == pytest.approx(expected)
 
 
 def test_no_move_within_the_prediction_error():
