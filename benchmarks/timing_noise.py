@@ -60,6 +60,7 @@ def micro_batches(lengths: np.ndarray, max_tokens: int) -> dict[str, list[int]]:
 
 
 def spread(seconds: list[float]) -> dict:
+    """The summary of one micro-batch's times over the emulated ranks (module docstring)."""
     logs = np.log(seconds)
     noise = rank_noise([logs.tolist()])
     centred = logs - logs.mean()
