@@ -95,7 +95,9 @@ def target_time(view: Outlook, anchor: float, margin: float = 0.0) -> float:
     return max(view.base, anchor * math.exp(-margin))
 
 
-def recall_drop(outlooks: Sequence[Outlook], anchor: float, p: float, recall_slope: float, margin: float = 0.0) -> float:
+def recall_drop(
+    outlooks: Sequence[Outlook], anchor: float, p: float, recall_slope: float, margin: float = 0.0
+) -> float:
     """Predicted token-weighted loss of recall against the base budget once every rank moved toward ``anchor``
     (fast ranks to ``target_time``)."""
     tokens = np.array([o.tokens for o in outlooks])
