@@ -257,13 +257,13 @@ def check_against_emulation(args: argparse.Namespace) -> dict:
         predicted = predict()
         got = measured[name]
         compute = sum(max(step["rank_s"]) for step in got["steps"])  # the emulation's step less its optimiser
+        mean_ranks = [statistics.fmean(step["rank_s"]) for step in got["steps"]]
         # the ceiling of any planner for this work: every step's rank-seconds shared evenly, the ranks straying
-        balanced = expected_epoch_seconds([[statistics.fmean(s["rank_s"])] * len(s["rank_s"]) for s in got["steps"]],
-                                          noise)
+        balanced = expected_epoch_seconds([[m] * len(s["rank_s"]) for m, s in zip(mean_ranks, got["steps"])], noise)
         rows[name] = {"predicted_s": predicted["total_s"], "exact_s": predicted["exact_s"],
                       "measured_s": compute, "error": predicted["total_s"] / compute - 1.0, "balanced_s": balanced,
                       "predicted_bound": predicted["removable_imbalance"],
-                      "measured_bound": compute / sum(statistics.fmean(s["rank_s"]) for s in got["steps"])}
+                      "measured_bound": compute / sum(mean_ranks)}
         # planning moved the controller's shifts and the cost model's error: start over from the saved state
         controller.load_state_dict(states[name]["controller"])
         controller.cost_model.load_state_dict(states[name]["cost_model"])
@@ -274,6 +274,9 @@ def check_against_emulation(args: argparse.Namespace) -> dict:
         print(f"  {name}: predicted {predicted['total_s']:.1f} s, measured {compute:.1f} s "
               f"({rows[name]['error']:+.1%}; fitted on the other variants: "
               f"{rows[name].get('held_out_error', math.nan):+.1%})", flush=True)
+    if BASELINE in rows:  # the speed-up over the baseline that balancing each variant's own work would give
+        for row in rows.values():
+            row["noise_ceiling"] = rows[BASELINE]["measured_s"] / row["balanced_s"]
     return {"kind": "simulation checked against emulation", "emulated": str(args.emulated), "rank_noise": noise,
             "rows": rows}
 
@@ -299,17 +302,19 @@ def check_table(result: dict) -> str:
         "around their predictions in the variants' calibration steps; exact: every rank as predicted. Fitted on "
         "the others: the same prediction after the cost model learned every micro-batch the other variants "
         "measured in their epochs (never this variant's). Balanced: the variant's measured rank-seconds shared "
-        "evenly in every step, the ranks straying as predicted (no planner can beat it in expectation).",
+        "evenly in every step, the ranks straying as predicted (no planner can beat it in expectation); noise "
+        f"ceiling: `{BASELINE}`'s measured time over that balanced time.",
         "",
         "| variant | exact s | predicted s | measured s | error | fitted on the others s | error | "
-        "predicted bound | measured bound | balanced s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "predicted bound | measured bound | balanced s | noise ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in result["rows"].items():
         held_out = (f"{r['held_out_s']:.1f} | {r['held_out_error']:+.1%}" if "held_out_s" in r else "- | -")
         lines.append(f"| {name} | {r['exact_s']:.1f} | {r['predicted_s']:.1f} "
                      f"| {r['measured_s']:.1f} | {r['error']:+.1%} | {held_out} | {r['predicted_bound']:.3f} "
-                     f"| {r['measured_bound']:.3f} | {r['balanced_s']:.1f} |")
+                     f"| {r['measured_bound']:.3f} | {r['balanced_s']:.1f} | "
+                     + (f"{r['noise_ceiling']:.3f}x |" if "noise_ceiling" in r else "- |"))
     return "\n".join(lines) + "\n"
 
 

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from end_to_end import merged_configs  # noqa: E402
 from simulate import expected_epoch_seconds, rank_noise  # noqa: E402
+from sparsebalance_pl.datamodules.packing import first_fit  # noqa: E402
 
 RANK_COUNTS = (8, 16, 32)
 
@@ -51,12 +52,8 @@ def micro_batches(lengths: np.ndarray, max_tokens: int) -> dict[str, list[int]]:
     """Two kinds of work: the longest document alone, and documents from the middle of the length
     distribution packed up to ``max_tokens`` (document indices)."""
     order = np.argsort(-lengths, kind="stable")
-    packed, total = [], 0
-    for i in order[len(order) // 4:]:
-        if total + lengths[i] <= max_tokens:
-            packed.append(int(i))
-            total += int(lengths[i])
-    return {"longest document": [int(order[0])], "middle documents packed": packed}
+    packed = first_fit(lengths, order[len(order) // 4:], max_tokens)[0]  # the first micro-batch first-fit packs
+    return {"longest document": [int(order[0])], "middle documents packed": [int(i) for i in packed]}
 
 
 def spread(seconds: list[float]) -> dict:

@@ -119,6 +119,8 @@ def test_end_to_end_benchmark_emulates_ranks_and_writes_every_step(tmp_path):
         measured = sum(max(step["rank_s"]) for step in results["variants"][name]["steps"])
         assert row["measured_s"] == pytest.approx(measured) and row["predicted_s"] >= row["exact_s"] > 0
         assert 0 < row["balanced_s"] <= measured * 1.5
+        static = sum(max(step["rank_s"]) for step in results["variants"]["static"]["steps"])
+        assert row["noise_ceiling"] == pytest.approx(static / row["balanced_s"])
         other = "static" if name == "sparsebalance" else "sparsebalance"  # fitted on the other's every round
         assert row["replayed_rounds"] == len(results["variants"][other]["steps"]) and row["held_out_s"] > 0
     rejected = subprocess.run([sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--ranks", "3",
