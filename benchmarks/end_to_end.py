@@ -39,6 +39,9 @@ turns, so a drift in the machine's speed reaches them all. Then ``results.json``
 
     python benchmarks/end_to_end.py --ranks 8 --config configs/demo.yaml --config configs/narrow16k.yaml \
         --epoch-documents 400 --out outputs/e2e_emulated_8
+
+A tuning variant may carry DST settings of its own (``VARIANT_SETTINGS``), so that several settings compare in
+one run on the same machine state: ``--variants static sparsebalance sparsebalance:anchor=adaptive``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -68,6 +72,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from sparsebalance_pl.balance import balance_efficiency, imbalance  # noqa: E402
 from sparsebalance_pl.progress import LoggedProgress  # noqa: E402
+from variant_spec import parse_variant  # noqa: E402
 
 # name: (attention backend, batching, DST p: 0 measures only, None tunes with --p)
 VARIANTS = {
@@ -78,6 +83,9 @@ VARIANTS = {
     "sparsebalance": ("sparse", "sab", None),
 }
 BASELINE = "static"
+#: DST settings a tuning variant may set for itself (``sparsebalance:anchor=adaptive,recall_tolerance=0.001``), in
+#: place of the command line's, so that several settings compare within one run, on the same machine state
+VARIANT_SETTINGS = ("anchor", "p", "recall_tolerance")
 IMBALANCED = 1.05  # a step whose predicted max / mean across ranks exceeds this counts as imbalanced
 
 
@@ -118,7 +126,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--recall-tolerance", type=float, default=0.02,
                         help="the adaptive anchor's allowance for predicted loss of token-weighted recall")
     parser.add_argument("--recall-rows", type=int, default=64)
-    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="NAME[:key=value,...]",
+                        help=f"variants to run, of {', '.join(VARIANTS)}; a tuning variant (dst, sparsebalance) may "
+                             f"set its own {', '.join(VARIANT_SETTINGS)}, e.g. "
+                             "sparsebalance:anchor=adaptive,recall_tolerance=0.001 beside plain sparsebalance")
     parser.add_argument("--devices", type=int, default=None, help="default: the configuration's")
     parser.add_argument("--accelerator", default=None, help="default: the configuration's")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per variant run")
@@ -139,12 +150,58 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--report-only re-reads multi-process runs; emulated runs (--ranks) keep no logs to re-read")
     if args.epoch_documents is None and args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
+    check_variants(parser, args)
     return args
+
+
+def check_variants(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Stop with one line on a variant spec of ``args.variants`` that cannot run, or on one named twice."""
+    if len(set(args.variants)) != len(args.variants):
+        parser.error(f"--variants {' '.join(args.variants)} names a variant twice")
+    for spec in args.variants:
+        try:
+            dst_settings(spec, args)
+        except (SystemExit, ValueError) as err:
+            parser.error(str(err))
+
+
+def variant_kind(name: str) -> str:
+    """Which of ``VARIANTS`` a variant spec runs (``sparsebalance`` for ``sparsebalance:anchor=adaptive``)."""
+    return name.partition(":")[0]
+
+
+def dst_settings(name: str, args: argparse.Namespace) -> dict:
+    """The DST callback's settings for variant spec ``name``: its own (``VARIANT_SETTINGS``), else the command
+    line's; p = 0 for the variants that only measure. A spec that cannot run stops with one line."""
+    from sparsebalance_pl.callbacks.controller import check_settings
+
+    kind = variant_kind(name)
+    if kind not in VARIANTS:
+        raise ValueError(f"--variants {name!r}: unknown variant {kind!r}; allowed: {', '.join(VARIANTS)}")
+    _, own = parse_variant(name, "--variants")
+    fixed_p = VARIANTS[kind][2]
+    if own and fixed_p is not None:
+        raise ValueError(f"--variants {name!r}: {kind} does not tune, so it takes no settings")
+    unknown = set(own) - set(VARIANT_SETTINGS)
+    if unknown:
+        raise ValueError(f"--variants {name!r}: unknown setting {sorted(unknown)[0]!r}; allowed: "
+                         f"{', '.join(VARIANT_SETTINGS)}")
+    settings = {"anchor": args.anchor, "p": args.p, "recall_tolerance": args.recall_tolerance, **own}
+    if fixed_p is not None:
+        settings["p"] = fixed_p
+    check_settings(f"--variants {name!r}: DST", settings["anchor"], float(settings["p"]), 0.0,
+                   float(settings["recall_tolerance"]))
+    return settings
+
+
+def run_folder(out: Path, name: str, round_index: int) -> Path:
+    """Where a variant's run of one round keeps its configuration, logs and calibrated state, under ``out``."""
+    return (out / f"{re.sub(r'[^A-Za-z0-9_.=-]+', '_', name)}-round{round_index}").resolve()
 
 
 def variant_config(base: dict, name: str, args: argparse.Namespace, run_dir: Path) -> dict:
     """The demo configuration changed only where the variant differs, plus per-step logging."""
-    backend, batching, p = VARIANTS[name]
+    backend, batching, _ = VARIANTS[variant_kind(name)]
     cfg = json.loads(json.dumps(base))  # deep copy
     trainer = cfg["trainer"]
     trainer.update(
@@ -167,9 +224,7 @@ def variant_config(base: dict, name: str, args: argparse.Namespace, run_dir: Pat
         "class_path": "lightning.pytorch.loggers.CSVLogger",
         "init_args": {"save_dir": str(run_dir), "name": "logs", "version": 0},
     }
-    dst = {"class_path": "sparsebalance_pl.callbacks.DynamicSparsityTuning",
-           "init_args": {"anchor": args.anchor, "p": args.p if p is None else p,
-                         "recall_tolerance": args.recall_tolerance}}
+    dst = {"class_path": "sparsebalance_pl.callbacks.DynamicSparsityTuning", "init_args": dst_settings(name, args)}
     trainer["callbacks"] = [{"class_path": "sparsebalance_pl.callbacks.DensityCalibration"}, dst]
     model = cfg["model"]
     model["attention"]["backend"] = backend
@@ -181,7 +236,7 @@ def variant_config(base: dict, name: str, args: argparse.Namespace, run_dir: Pat
 
 
 def run_variant(base: dict, name: str, args: argparse.Namespace, round_index: int) -> list[dict]:
-    run_dir = (args.out / f"{name}-round{round_index}").resolve()
+    run_dir = run_folder(args.out, name, round_index)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(variant_config(base, name, args, run_dir), sort_keys=False))
@@ -275,7 +330,7 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
     from sparsebalance_pl.callbacks.controller import DSTController
     from sparsebalance_pl.emulation import EmulatedRanks, build, step_batches
 
-    run_dir = (args.out / f"{name}-round{round_index}").resolve()
+    run_dir = run_folder(args.out, name, round_index)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(variant_config(base, name, args, run_dir), sort_keys=False))
@@ -283,12 +338,9 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
     # would be wasted, and would overwrite the table file the emulation used (a check run on other threads, say)
     module, data, trainer = build(["--config", str(config_path)]
                                   + (["--model.latency_profile=false"] if calibrated is not None else []))
-    backend, _, variant_p = VARIANTS[name]
-    if backend == "sparse" and calibrated is None:  # what DensityCalibration does before a real run's epoch
+    if VARIANTS[variant_kind(name)][0] == "sparse" and calibrated is None:  # as DensityCalibration before an epoch
         module.calibrate_density(data.calibration_batches(min_length=module.attention_config.block_size))
-    p = args.p if variant_p is None else variant_p
-    controller = DSTController(module.cost_model, module.base_budgets, anchor=args.anchor, p=p,
-                               recall_tolerance=args.recall_tolerance)
+    controller = DSTController(module.cost_model, module.base_budgets, **dst_settings(name, args))
     if calibrated is not None:
         module.cost_model.load_state_dict(calibrated["cost_model"])
         controller.load_state_dict(calibrated["controller"])
@@ -356,7 +408,7 @@ def emulate_variants(base: dict, names: list[str], args: argparse.Namespace, rou
     losses: dict[str, float] = {}  # frozen weights: every variant of a backend ends with the model it started from
     summaries = {}
     for name, run in runs.items():
-        key = VARIANTS[name][0] if args.frozen else name
+        key = VARIANTS[variant_kind(name)][0] if args.frozen else name
         if key not in losses:
             losses[key] = validation_loss(run.module, run.data)
         summaries[name] = summarise_emulated(name, run, args, losses[key])
@@ -517,7 +569,7 @@ def main(argv=None) -> None:
             continue
         for name in args.variants:
             if args.report_only:
-                metrics = args.out / f"{name}-round{round_index}" / "logs" / "version_0" / "metrics.csv"
+                metrics = run_folder(args.out, name, round_index) / "logs" / "version_0" / "metrics.csv"
                 rounds[name].append(summarise(read_metrics(metrics), args.warmup))
             else:
                 rounds[name].append(summarise(run_variant(base, name, args, round_index), args.warmup))

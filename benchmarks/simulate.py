@@ -56,7 +56,7 @@ from sparsebalance_pl.kernels.selection import LayerBudget  # noqa: E402
 from sparsebalance_pl.model import PRESETS  # noqa: E402
 
 import end_to_end  # noqa: E402
-from end_to_end import BASELINE, VARIANTS  # noqa: E402  (the same variants as the measured benchmark)
+from end_to_end import BASELINE, VARIANTS, dst_settings, variant_kind  # noqa: E402  (the measured benchmark's)
 
 # Measured on an H100 (docs/RESULTS.md, 2026-11-22, bf16, Qwen2.5-0.5B attention shape): our Triton attention's
 # forward + backward per layer at full density on one 131,072-token document, its selection on the same, and
@@ -181,12 +181,12 @@ def simulate_cluster(args: argparse.Namespace) -> dict:
             for ranks in args.ranks:
                 results = {}
                 for name in args.variants:
-                    attention, batching, p = VARIANTS[name]
+                    attention, batching, _ = VARIANTS[variant_kind(name)]
                     density = density_law(64, args.density, args.density_at) if attention == "sparse" else None
                     cost = CostModel(latency_of(attention), density)
                     cost.error = args.prediction_error
                     budgets = [LayerBudget(tau=args.tau)] * dims.num_layers
-                    controller = DSTController(cost, budgets, anchor=args.anchor, p=args.p if p is None else p)
+                    controller = DSTController(cost, budgets, **dst_settings(name, args))
                     config = BatchingConfig(method=batching, max_tokens=max_tokens,
                                             defer_window=args.defer_window if batching == "sab" else 0)
                     plan = SparsityAwareSampler(lengths, config, cost_model=cost, seed=args.seed,
@@ -236,10 +236,10 @@ def check_against_emulation(args: argparse.Namespace) -> dict:
         raise SystemExit(f"{args.emulated}/results.json does not keep the arguments it was run with")
     e2e_args = end_to_end.parse_args([*emulated["argv"], "--out", str(args.out / "setup")])  # the last --out wins
     base = end_to_end.merged_configs(e2e_args.config)
-    names = [v for v in args.variants if v in measured]
+    names = [v for v in measured if args.variants is None or v in args.variants]
     states = {}
     for name in names:
-        path = args.emulated / f"{name}-round0" / end_to_end.CALIBRATED_STATE
+        path = end_to_end.run_folder(args.emulated, name, 0) / end_to_end.CALIBRATED_STATE
         if not path.is_file():
             raise SystemExit(f"{path} is missing: the emulated run predates the calibrated state; run it again")
         states[name] = json.loads(path.read_text())
@@ -338,13 +338,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="cluster: the cost model's error (median |log(measured / predicted)|) that DST assumes "
                              "and by which each simulated rank's time strays from its prediction (calibrated: the "
                              "worked example measured 0.06-0.09)")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--recall-tolerance", type=float, default=0.02,
+                        help="cluster: the adaptive anchor's allowance for predicted loss of token-weighted recall")
+    parser.add_argument("--variants", nargs="+", default=None, metavar="NAME[:key=value,...]",
+                        help="variants as end_to_end.py takes them (cluster default: all of "
+                             f"{', '.join(VARIANTS)}; check default: every variant the emulated run measured)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--emulated", type=Path, help="check: the --out folder of an emulated end_to_end run")
     parser.add_argument("--out", type=Path, default=Path("outputs/simulate"))
     args = parser.parse_args(argv)
     if args.mode == "check" and args.emulated is None:
         parser.error("check needs --emulated, the --out folder of an emulated end_to_end.py run")
+    if args.mode == "cluster":
+        args.variants = args.variants or list(VARIANTS)
+        end_to_end.check_variants(parser, args)
     return args
 
 

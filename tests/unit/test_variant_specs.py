@@ -1,12 +1,14 @@
-"""The benchmarks' ``NAME:key=value,...`` variants: model_step's AttentionConfig fields and selection_quality's
-selection settings, from the command line."""
+"""The benchmarks' ``NAME:key=value,...`` variants: model_step's AttentionConfig fields, selection_quality's
+selection settings and end_to_end's DST settings, from the command line."""
 
+import re
 import sys
 
 import pytest
 from main_runner import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+import end_to_end  # noqa: E402
 import model_step  # noqa: E402
 import selection_quality  # noqa: E402
 
@@ -37,3 +39,25 @@ def test_a_selection_variant_splits_ranking_options_from_budgets():
 def test_a_bad_selection_variant_stops_with_one_line(spec, message):
     with pytest.raises(SystemExit, match=message):
         selection_quality.Variant.parse(spec)
+
+
+def test_an_end_to_end_variant_takes_its_own_dst_settings_over_the_command_line():
+    args = end_to_end.parse_args(["--ranks", "4", "--anchor", "median", "--variants", "static", "sparsebalance",
+                                  "sparsebalance:anchor=adaptive,recall_tolerance=0.001"])
+    settings = {spec: end_to_end.dst_settings(spec, args) for spec in args.variants}
+    assert settings["static"]["p"] == 0.0 and settings["sparsebalance"]["anchor"] == "median"
+    assert settings["sparsebalance:anchor=adaptive,recall_tolerance=0.001"] == {
+        "anchor": "adaptive", "p": 0.1, "recall_tolerance": 0.001}
+    folders = {end_to_end.run_folder(args.out, spec, 0) for spec in args.variants}
+    assert len(folders) == 3 and all(":" not in f.name and "," not in f.name for f in folders)
+    assert end_to_end.variant_kind("sparsebalance:anchor=adaptive") == "sparsebalance"
+
+
+@pytest.mark.parametrize("variants, message", [
+    (["static:anchor=min"], "static does not tune"), (["dst:anchr=min"], "unknown setting 'anchr'"),
+    (["balanced"], "unknown variant 'balanced'"), (["dst:p=2"], r"p=2.0 must lie in \[0, 1\]"),
+    (["sab", "sab"], "names a variant twice"), (["dst:p"], "is not field=value")])
+def test_a_bad_end_to_end_variant_stops_with_one_line(variants, message, capsys):
+    with pytest.raises(SystemExit):
+        end_to_end.parse_args(["--ranks", "4", "--variants", *variants])
+    assert re.search(message, capsys.readouterr().err.splitlines()[-1])
