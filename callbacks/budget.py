@@ -96,34 +96,37 @@ def target_time(view: Outlook, anchor: float, margin: float = 0.0) -> float:
 
 
 def recall_drop(
-    outlooks: Sequence[Outlook], anchor: float, p: float, recall_slope: float, margin: float = 0.0
+    outlooks: Sequence[Outlook], anchor: float, p: float, slopes: tuple[float, float], margin: float = 0.0
 ) -> float:
     """Predicted token-weighted loss of recall against the base budget once every rank moved toward ``anchor``
-    (fast ranks to ``target_time``)."""
+    (fast ranks to ``target_time``); ``slopes``: recall lost per unit of density cut and gained per unit
+    raised (``RecallSlope.slopes``)."""
     tokens = np.array([o.tokens for o in outlooks])
     change = np.array([o.density_at(target_time(o, anchor, margin), p) - o.density for o in outlooks])
-    return float(-recall_slope * (tokens * change).sum() / max(tokens.sum(), 1.0))
+    cut, raised = slopes
+    gained = cut * np.minimum(change, 0.0) + raised * np.maximum(change, 0.0)
+    return float(-(tokens * gained).sum() / max(tokens.sum(), 1.0))
 
 
 def adaptive_anchor(
-    outlooks: Sequence[Outlook], p: float, recall_slope: float, tolerance: float, margin: float = 0.0
+    outlooks: Sequence[Outlook], p: float, slopes: tuple[float, float], tolerance: float, margin: float = 0.0
 ) -> float:
     """The lowest anchor, between the fastest and the slowest rank's base time, whose predicted recall loss is
     within ``tolerance`` (fast ranks aiming at ``target_time`` with ``margin``).
 
-    The step lasts as long as the slowest rank; a lower anchor shortens it but makes stragglers sparser.
-    ``recall_slope`` (recall gained per unit of density, observed during training) says what that costs: near
-    1 in a near-uniform regime, near 0 where attention is sharp. The predicted loss falls as the anchor rises
-    and is at most 0 at the slowest base time (no rank gets sparser), so bisection finds the lowest anchor
-    within the allowance; with a slope of 0 or less, recall does not favour a higher anchor, and it is the fastest.
+    The step lasts as long as the slowest rank; a lower anchor shortens it but makes stragglers sparser and
+    fast ranks less dense. ``slopes`` (recall lost per unit of density cut, gained per unit raised, both at
+    least 0, learned from DST's own moves) say what that costs. The predicted loss falls as the anchor rises and
+    is at most 0 at the slowest base time (no rank gets sparser), so bisection finds the lowest anchor within the
+    allowance; where a cut costs no recall, recall does not favour a higher anchor, and it is the fastest.
     """
     base = [o.base for o in outlooks]
     low, high = min(base), max(base)
-    if recall_slope <= 0 or recall_drop(outlooks, low, p, recall_slope, margin) <= tolerance:
+    if slopes[0] <= 0 or recall_drop(outlooks, low, p, slopes, margin) <= tolerance:
         return low
     while high - low > 1e-6 * high:
         middle = 0.5 * (low + high)
-        if recall_drop(outlooks, middle, p, recall_slope, margin) <= tolerance:
+        if recall_drop(outlooks, middle, p, slopes, margin) <= tolerance:
             high = middle
         else:
             low = middle

@@ -41,33 +41,47 @@ from sparsebalance_pl.errors import ConfigError
 
 
 class RecallSlope:
-    """Recall gained per unit of density, fitted to the (density, estimated recall) pairs seen in training.
+    """Estimated recall per unit of density where DST moves a budget, learned from the moves themselves.
 
-    Exponentially weighted least squares, shrunk toward ``prior`` while the observed densities barely
-    spread; 1.0 (recall follows density, the near-uniform regime) is the cautious prior.
+    A moved rank reports its density and estimated recall both at the budget it used and at the base budget,
+    from the same ranking of its blocks (``SparsityReport.moved``), so their changes price density for exactly
+    those documents. Cuts and raises are priced apart: a straggler's cut drops the blocks of least mass across
+    its layer, a fast rank's raise adds the next blocks of its rows, and where attention is sharp the two
+    prices differ. (A fit across ranks cannot price it: ranks hold different documents, and packs that SAB
+    balanced barely differ in density, which left such a fit at its prior.) Exponentially weighted ratios,
+    shrunk toward ``prior`` by ``prior_weight`` units of density moved; 1.0, recall following density as in the
+    near-uniform regime, is the cautious prior.
     """
 
-    def __init__(self, prior: float = 1.0, decay: float = 0.95, prior_weight: float = 1e-3) -> None:
-        self.prior, self.decay, self.prior_weight = prior, decay, prior_weight
-        self.moments = np.zeros(5)  # weight, sum x, sum y, sum xx, sum xy
+    #: Moves smaller than this (in density) teach nothing: rounding of the kept tiles, not a budget's change.
+    MIN_MOVE = 1e-3
 
-    def update(self, density: Sequence[float], recall: Sequence[float]) -> None:
-        x, y = np.asarray(density, dtype=np.float64), np.asarray(recall, dtype=np.float64)
-        self.moments = self.decay * self.moments + [len(x), x.sum(), y.sum(), (x * x).sum(), (x * y).sum()]
+    def __init__(self, prior: float = 1.0, decay: float = 0.95, prior_weight: float = 0.05) -> None:
+        self.prior, self.decay, self.prior_weight = prior, decay, prior_weight
+        self.moments = np.zeros((2, 2))  # rows: cuts, raises; columns: density moved, recall it cost or bought
+
+    def update(self, moves: Sequence[tuple[float, float]]) -> None:
+        """Learn from one step's moved ranks: each rank's (density, estimated recall) minus its base budget's."""
+        step = np.zeros((2, 2))
+        for density, recall in moves:
+            if abs(density) >= self.MIN_MOVE:
+                step[int(density > 0)] += [abs(density), recall * np.sign(density)]
+        self.moments = self.decay * self.moments + step
 
     @property
-    def slope(self) -> float:
-        n, sx, sy, sxx, sxy = self.moments
-        if n <= 0:
-            return self.prior
-        var, cov = sxx / n - (sx / n) ** 2, sxy / n - sx * sy / n**2
-        return float((cov + self.prior * self.prior_weight) / (max(var, 0.0) + self.prior_weight))
+    def slopes(self) -> tuple[float, float]:
+        """(recall lost per unit of density cut, recall gained per unit raised), each at least 0."""
+        moved, priced = self.moments[:, 0], self.moments[:, 1]
+        cut, raised = np.maximum((priced + self.prior * self.prior_weight) / (moved + self.prior_weight), 0.0)
+        return float(cut), float(raised)
 
     def state_dict(self) -> dict[str, Any]:
         return {"moments": self.moments.tolist()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.moments = np.asarray(state["moments"], dtype=np.float64)
+        moments = np.asarray(state["moments"], dtype=np.float64)
+        # a checkpoint of the earlier fit across ranks (5 moments) starts again from the prior: a few steps relearn it
+        self.moments = moments if moments.shape == (2, 2) else np.zeros((2, 2))
 
 
 @dataclass(frozen=True)
@@ -110,7 +124,8 @@ class DSTController:
         base_budgets: the configured per-layer budgets, which tuning moves away from.
         anchor: ``mean``, ``median``, ``min``, ``max`` of the ranks' predicted times at the base budget, or
             ``adaptive``: the lowest time between min and max whose predicted token-weighted recall loss, from
-            the recall-per-density slope observed so far, stays within ``recall_tolerance``. Any anchor is
+            the recall that DST's cuts and raises of density have cost and bought so far (``RecallSlope``),
+            stays within ``recall_tolerance``. Any anchor is
             raised to the longest time a rank takes at its sparsest (``reachable_anchor``).
         p: largest move of tau away from the base budget, in [0, 1]; 0 keeps the base budgets (the static
             baseline). The kept tiles scale with the cost model so that no rank passes the anchor time
@@ -193,15 +208,15 @@ class DSTController:
 
     def _anchor(self, views: Sequence[Outlook], margin: float) -> float:
         if self.anchor == "adaptive":
-            anchor = adaptive_anchor(views, self.p, self.recall_slope.slope, self.recall_tolerance, margin)
+            anchor = adaptive_anchor(views, self.p, self.recall_slope.slopes, self.recall_tolerance, margin)
         else:
             anchor = anchor_time([v.base for v in views], self.anchor)
         return reachable_anchor(views, anchor)
 
     def learn(self, observation: StepObservation) -> None:
-        """What the step did: the recall each rank's density bought (for the adaptive anchor)."""
-        reports = [record.report for record in observation.records]
-        self.recall_slope.update([r.mean_density for r in reports], [r.mean_estimated_recall for r in reports])
+        """What the step did: the recall each rank's move of density cost or bought (for the adaptive anchor)."""
+        moves = [record.report.moved() for record in observation.records]
+        self.recall_slope.update([move for move in moves if move is not None])
 
     def state_dict(self) -> dict[str, Any]:
         budgets = [[[b.tau, b.max_density, b.density_scale] for b in rank] for rank in self.budgets]

@@ -44,7 +44,9 @@ class DynamicSparsityTuning(Callback):
     Logged per step (the same on every rank): ``dst/anchor_s``, ``dst/anchor_position`` (where it lies between
     the fastest and the slowest rank's predicted base time, 0 to 1), ``dst/anchor_drift`` (its move since the
     previous step on that step's documents: what learning moved, apart from the workload),
-    ``dst/prediction_error`` (the cost model's recent error, which sets the deadband) and ``dst/confidence``
+    ``dst/recall_per_density_cut`` and ``dst/recall_per_density_raised`` (the adaptive anchor's learned prices
+    of density, ``RecallSlope``), ``dst/prediction_error`` (the cost model's recent error, which sets the
+    deadband) and ``dst/confidence``
     (the share of a move it allows), ``dst/predicted_imbalance_base`` and
     ``dst/predicted_imbalance`` (whole step, base and chosen budgets), ``dst/measured_imbalance`` (attention
     calls), and per rank ``dst/rank{r}/{predicted_base_s,predicted_s}`` (whole step),
@@ -120,6 +122,9 @@ class DynamicSparsityTuning(Callback):
         }
         if decision.anchor_drift is not None:
             logs["dst/anchor_drift"] = decision.anchor_drift
+        if self.controller.anchor == "adaptive":
+            cut, raised = self.controller.recall_slope.slopes
+            logs.update({"dst/recall_per_density_cut": cut, "dst/recall_per_density_raised": raised})
         fastest, slowest = min(decision.predicted_base), max(decision.predicted_base)
         if slowest > fastest:
             logs["dst/anchor_position"] = (decision.anchor - fastest) / (slowest - fastest)

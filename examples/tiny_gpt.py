@@ -119,6 +119,8 @@ class TinyGPT(L.LightningModule):
             estimated_recall=[float(s.stats.mean_kept_mass()) for s in selections],
             base_document_density=torch.stack([s.base_document_density for s in selections]).mean(0).tolist(),
             attention_seconds=self.timer.seconds(),
+            base_density=[float(s.base_stats.mean_density()) for s in selections],
+            base_estimated_recall=[float(s.base_stats.mean_kept_mass()) for s in selections],
         )
         observe_step(self.cost_model, self.lengths, report)
 

@@ -177,12 +177,16 @@ class BlockRanking:
         kept = self.kept_at([tau], max_density, max_tiles)[..., 0]
         keep_sorted = torch.arange(self.order.shape[-1], device=kept.device) < kept[..., None]
         mask = torch.zeros_like(keep_sorted).scatter_(-1, self.order, keep_sorted)
+        return mask, self.stats(kept)
+
+    def stats(self, kept: torch.Tensor) -> "SelectionStats":
+        """The ``SelectionStats`` of keeping the first ``kept`` [Hq, nB] blocks of each row's ranking."""
         last = (kept - 1).clamp(min=0)[..., None]
         kept_mass = self.mass_before.gather(-1, last) + self.sorted_mass.gather(-1, last)
         kept_mass = kept_mass[..., 0] / self.row_mass[..., 0]
         if self.probe_cumulative is not None:
             kept_mass = self._calibrated_mass(kept_mass, self.probe_cumulative.gather(-1, last)[..., 0])
-        return mask, SelectionStats(self, kept, kept_mass)
+        return SelectionStats(self, kept, kept_mass)
 
     def _calibrated_mass(self, estimated: torch.Tensor, probed: torch.Tensor) -> torch.Tensor:
         """Each row's estimated kept mass [Hq, nB] moved by its head's mean error on the probe tokens (exact
@@ -497,11 +501,14 @@ def _selected(ranking: BlockRanking, tau: float, max_density: float | None, retu
 
 @dataclass(frozen=True)
 class BudgetedSelection:
-    """A layer's selection under a ``LayerBudget``: the block mask, what it kept (``SelectionStats``), and each
-    document's density at the base budget [docs] (what predicts the cost of later batches)."""
+    """A layer's selection under a ``LayerBudget``: the block mask, what it kept (``SelectionStats``), what the
+    base budget would have kept from the same ranking (``base_stats``: a moved budget's density and estimated
+    recall against the base's are what tuning buys and costs), and each document's density at the base budget
+    [docs] (what predicts the cost of later batches)."""
 
     mask: torch.Tensor
     stats: SelectionStats
+    base_stats: SelectionStats
     base_document_density: torch.Tensor
 
 
@@ -541,12 +548,11 @@ def _select_budgeted(ranking: BlockRanking, budget: LayerBudget, base: LayerBudg
     if budget.density_scale is not None:
         max_tiles = (budget.density_scale * ranking._total(base_kept.sum())).floor()
     mask, stats = ranking.select(budget.tau, budget.max_density, max_tiles)
-    if own:  # static runs, evaluation
-        base_kept = stats.kept
-    kept, covered = _document_tiles(base_kept, ranking.candidates, cu_seqlens, num_tokens, block_size,
+    base_stats = stats if own else ranking.stats(base_kept)  # static runs and evaluation use the base itself
+    kept, covered = _document_tiles(base_stats.kept, ranking.candidates, cu_seqlens, num_tokens, block_size,
                                     ranking.q_blocks)
-    base_density = _density(ranking._total(kept), ranking._total(covered), base_kept.shape[0])
-    return BudgetedSelection(mask, stats, base_density)
+    base_density = _density(ranking._total(kept), ranking._total(covered), base_stats.kept.shape[0])
+    return BudgetedSelection(mask, stats, base_stats, base_density)
 
 
 def document_density(

@@ -119,12 +119,15 @@ class LayerStats:
     """What one layer's selection kept, as tensors (no host sync inside the forward).
 
     ``base_document_density`` [docs]: each document's kept fraction of causal tiles had the layer used its
-    base budget, counted from the same ranking (query blocks count for the document of their first token).
+    base budget, counted from the same ranking (query blocks count for the document of their first token);
+    ``base_density`` and ``base_estimated_recall`` are the layer's at the base budget, likewise.
     """
 
     density: torch.Tensor
     estimated_recall: torch.Tensor
     base_document_density: torch.Tensor
+    base_density: torch.Tensor
+    base_estimated_recall: torch.Tensor
     recall: torch.Tensor | None = None
 
 
@@ -226,6 +229,8 @@ def _sparse_attention(
             density=selection.stats.mean_density(),
             estimated_recall=selection.stats.mean_kept_mass(),
             base_document_density=selection.base_document_density,
+            base_density=selection.base_stats.mean_density(),
+            base_estimated_recall=selection.base_stats.mean_kept_mass(),
         )
     if cp.active:
         return _ring_attention(q, k, v, mask, layer, ctx, scale)

@@ -241,6 +241,8 @@ class SparseQwen(L.LightningModule):
             attention_seconds=ctx.timer.seconds(),
             recall=ctx.mean_recall(),
             ring_seconds=ring_seconds,
+            base_density=[float(s.base_density) for s in layers],
+            base_estimated_recall=[float(s.base_estimated_recall) for s in layers],
         )
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,6 +66,10 @@ class SparsityReport:
         recall: exact recall on sampled rows (mean over layers) when the module measures it, else None.
         ring_seconds: the part of ``attention_seconds`` spent waiting on ring transfers under context
             parallelism (0 without): what the compute did not hide, and waits on a slower group member.
+        base_density, base_estimated_recall: per attention layer, the density and estimated recall the base
+            budget would have given, from the same ranking (``BudgetedSelection.base_stats``): against
+            ``density`` and ``estimated_recall`` they are what a moved budget bought or cost, which DST's
+            adaptive anchor learns from. None when not reported (it then keeps its prior).
     """
 
     density: list[float]
@@ -74,6 +78,8 @@ class SparsityReport:
     attention_seconds: float
     recall: float | None = None
     ring_seconds: float = 0.0
+    base_density: list[float] | None = None
+    base_estimated_recall: list[float] | None = None
 
     @property
     def mean_density(self) -> float:
@@ -82,6 +88,15 @@ class SparsityReport:
     @property
     def mean_estimated_recall(self) -> float:
         return sum(self.estimated_recall) / len(self.estimated_recall)
+
+    def moved(self) -> tuple[float, float] | None:
+        """(density, estimated recall) at the budget used minus at the base budget, mean over layers; None
+        when the base figures were not reported."""
+        if self.base_density is None or self.base_estimated_recall is None:
+            return None
+        layers = len(self.density)
+        return (self.mean_density - sum(self.base_density) / layers,
+                self.mean_estimated_recall - sum(self.base_estimated_recall) / layers)
 
 
 @dataclass(frozen=True)

@@ -73,3 +73,23 @@ def test_a_run_without_dst_calibrates_as_well_as_one_with_it():
     assert state_without["step_overhead"] > 0  # the optimiser's measured time, for SAB to weigh
     assert np.allclose(state_without["latency"]["calibration"]["log_scales"],
                        state_with["latency"]["calibration"]["log_scales"])
+
+
+def test_the_report_prices_a_moved_budget_against_the_base_one():
+    """With the layers' kept tiles cut to half of the base budget's, the report holds both: fewer tiles, less
+    estimated recall, and the base figures as a static step would report them."""
+    torch.manual_seed(0)
+    module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY),
+                        attention=AttentionConfig(backend="sparse", block_size=64, stride=16, tau=0.9))
+    module.configure_model()
+    batch = _batches(1)[0]
+    module(batch)
+    static = module.sparsity_report()
+    module.layer_budgets = [replace(b, density_scale=0.5) for b in module.base_budgets]
+    module(batch)
+    cut = module.sparsity_report()
+    assert static.moved() == (0.0, 0.0)
+    assert cut.base_density == pytest.approx(static.density) and cut.base_estimated_recall == pytest.approx(
+        static.estimated_recall)
+    density, recall = cut.moved()
+    assert density < 0 and recall < 0

@@ -105,15 +105,19 @@ def test_adaptive_anchor_trades_speed_for_recall(model):
     p = 0.1
     views = _views(model, p)
     fastest = min(v.base for v in views)
-    # Recall that does not depend on density: the fastest step.
-    assert adaptive_anchor(views, p, recall_slope=0.0, tolerance=0.0) == fastest
+    # Cuts that cost no recall: the fastest step.
+    assert adaptive_anchor(views, p, (0.0, 1.0), tolerance=0.0) == fastest
     # Recall that follows density and no allowance: the lowest anchor that loses no recall.
-    anchor = adaptive_anchor(views, p, recall_slope=1.0, tolerance=0.0)
+    even = (1.0, 1.0)
+    anchor = adaptive_anchor(views, p, even, tolerance=0.0)
     assert fastest < anchor < max(v.base for v in views)
-    assert recall_drop(views, anchor, p, 1.0) <= 0.0 < recall_drop(views, anchor * (1 - 1e-4), p, 1.0)
+    assert recall_drop(views, anchor, p, even) <= 0.0 < recall_drop(views, anchor * (1 - 1e-4), p, even)
     # An allowance buys a shorter step.
-    allowed = adaptive_anchor(views, p, recall_slope=1.0, tolerance=0.01)
-    assert allowed < anchor and recall_drop(views, allowed, p, 1.0) == pytest.approx(0.01, abs=1e-6)
+    allowed = adaptive_anchor(views, p, even, tolerance=0.01)
+    assert allowed < anchor and recall_drop(views, allowed, p, even) == pytest.approx(0.01, abs=1e-6)
+    # Raises that buy more recall per unit of density than cuts cost: a shorter step at no predicted loss;
+    # raises that buy less: a longer one.
+    assert adaptive_anchor(views, p, (0.5, 1.0), tolerance=0.0) < anchor < adaptive_anchor(views, p, (1.0, 0.5), 0.0)
 
 
 def test_only_fast_ranks_keep_a_margin_below_the_anchor(model):

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from sparsebalance_pl.callbacks.controller import DSTController, confidence
-from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel, SparsityReport, StepRecord
+from sparsebalance_pl.cost import (
+    CostModel, DensityEstimator, LatencyModel, SparsityReport, StepObservation, StepRecord,
+)
 from sparsebalance_pl.kernels import LayerBudget
 from sparsebalance_pl.model import PRESETS
 
@@ -108,3 +110,35 @@ def test_anchor_drift_leaves_out_the_change_of_workload():
     small = controller.plan(BALANCED).anchor
     decision = controller.plan(IMBALANCED)  # nothing learned in between
     assert decision.anchor > 1.5 * small and decision.anchor_drift == pytest.approx(1.0)
+
+
+TIMES = np.full(4, 0.1)
+
+
+def _report(density: float, recall: float, base_density: float, base_recall: float) -> SparsityReport:
+    return SparsityReport([density] * 4, [recall] * 4, [base_density], 0.1, base_density=[base_density] * 4,
+                          base_estimated_recall=[base_recall] * 4)
+
+
+def test_the_adaptive_anchor_prices_cuts_and_raises_apart_from_the_moves_it_made():
+    """Ranks that moved report their base budget's density and recall beside their own: cuts and raises are
+    priced separately, ranks that did not move and reports without base figures teach nothing, and a raise
+    that buys more recall than a cut costs lets the anchor come down at no predicted loss."""
+    controller = DSTController(_cost(0.05), BASE, p=0.1, anchor="adaptive", recall_tolerance=0.0)
+    assert controller.recall_slope.slopes == (1.0, 1.0)  # the cautious prior
+    even = controller.plan(MIXED).anchor
+    reports = [_report(0.2, 0.85, 0.3, 0.90), _report(0.6, 0.99, 0.3, 0.90),  # cut: 0.5 per density; raise: 0.3
+               _report(0.3, 0.90, 0.3, 0.90), SparsityReport([0.3] * 4, [0.9] * 4, [0.3], 0.1)]
+    for _ in range(40):
+        controller.learn(StepObservation([StepRecord([1024], r) for r in reports], TIMES, TIMES))
+    cut, raised = controller.recall_slope.slopes
+    assert cut == pytest.approx(0.5, abs=0.02) and raised == pytest.approx(0.3, abs=0.02)
+    assert controller.plan(MIXED).anchor > even  # raises buy less than cuts cost: a higher anchor keeps recall
+    for _ in range(40):
+        controller.learn(StepObservation([StepRecord([1024], r) for r in reports[:1]]
+                                         + [StepRecord([1024], _report(0.4, 0.99, 0.3, 0.90))], TIMES, TIMES))
+    assert controller.recall_slope.slopes[1] > controller.recall_slope.slopes[0]
+    assert controller.plan(MIXED).anchor < even
+    restored = DSTController(_cost(0.05), BASE, p=0.1, anchor="adaptive")
+    restored.load_state_dict(controller.state_dict())
+    assert restored.recall_slope.slopes == controller.recall_slope.slopes

@@ -95,8 +95,14 @@ def test_budget_selection_honours_the_density_scale_and_counts_base_densities(sc
     assert forced <= kept <= min(unscaled, bound) and int(chosen.mask.sum()) == kept
     if unscaled <= bound:
         assert kept == unscaled  # a scale that does not bind changes nothing
-    # Base densities come from the base budget whatever budget is in use, one per document.
+    # Base densities come from the base budget whatever budget is in use, one per document; so do the base's
+    # layer density and estimated recall, beside the chosen budget's (what the move bought or cost).
     assert torch.allclose(chosen.base_document_density, at_base.base_document_density)
+    assert torch.equal(chosen.base_stats.kept, at_base.stats.kept) and at_base.base_stats is at_base.stats
+    assert torch.allclose(chosen.base_stats.mean_kept_mass(), at_base.stats.mean_kept_mass())
+    moved = (chosen.stats.mean_density() - chosen.base_stats.mean_density(),
+             chosen.stats.mean_kept_mass() - chosen.base_stats.mean_kept_mass())
+    assert moved[0] * moved[1] >= 0  # more tiles never estimate less mass, and fewer never more
     assert chosen.base_document_density.shape == (len(CU) - 1,)
     assert ((chosen.base_document_density > 0) & (chosen.base_document_density <= 1)).all()
 
