@@ -125,8 +125,8 @@ class DSTController:
         anchor: ``mean``, ``median``, ``min``, ``max`` of the ranks' predicted times at the base budget, or
             ``adaptive``: the lowest time between min and max whose predicted token-weighted recall loss, from
             the recall that DST's cuts and raises of density have cost and bought so far (``RecallSlope``),
-            stays within ``recall_tolerance``. Any anchor is
-            raised to the longest time a rank takes at its sparsest (``reachable_anchor``).
+            stays within ``recall_tolerance``. Any anchor is raised to the longest time a rank takes at its
+            sparsest (``reachable_anchor``).
         p: largest move of tau away from the base budget, in [0, 1]; 0 keeps the base budgets (the static
             baseline). The kept tiles scale with the cost model so that no rank passes the anchor time
             (``callbacks.budget``).
