@@ -155,12 +155,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check_variants(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Stop with one line on a variant spec of ``args.variants`` that cannot run, or on one named twice."""
+    """Parse every variant spec of ``args.variants`` once into ``args.dst_settings`` (spec: ``dst_settings``);
+    stop with one line on a spec that cannot run, or on one named twice."""
     if len(set(args.variants)) != len(args.variants):
         parser.error(f"--variants {' '.join(args.variants)} names a variant twice")
+    args.dst_settings = {}
     for spec in args.variants:
         try:
-            dst_settings(spec, args)
+            args.dst_settings[spec] = dst_settings(spec, args)
         except (SystemExit, ValueError) as err:
             parser.error(str(err))
 
@@ -172,7 +174,7 @@ def variant_kind(name: str) -> str:
 
 def dst_settings(name: str, args: argparse.Namespace) -> dict:
     """The DST callback's settings for variant spec ``name``: its own (``VARIANT_SETTINGS``), else the command
-    line's; p = 0 for the variants that only measure. A spec that cannot run stops with one line."""
+    line's; p = 0 for the variants that only measure. A spec that cannot run raises one line naming it."""
     from sparsebalance_pl.callbacks.controller import check_settings
 
     kind = variant_kind(name)
@@ -224,7 +226,7 @@ def variant_config(base: dict, name: str, args: argparse.Namespace, run_dir: Pat
         "class_path": "lightning.pytorch.loggers.CSVLogger",
         "init_args": {"save_dir": str(run_dir), "name": "logs", "version": 0},
     }
-    dst = {"class_path": "sparsebalance_pl.callbacks.DynamicSparsityTuning", "init_args": dst_settings(name, args)}
+    dst = {"class_path": "sparsebalance_pl.callbacks.DynamicSparsityTuning", "init_args": args.dst_settings[name]}
     trainer["callbacks"] = [{"class_path": "sparsebalance_pl.callbacks.DensityCalibration"}, dst]
     model = cfg["model"]
     model["attention"]["backend"] = backend
@@ -340,7 +342,7 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
                                   + (["--model.latency_profile=false"] if calibrated is not None else []))
     if VARIANTS[variant_kind(name)][0] == "sparse" and calibrated is None:  # as DensityCalibration before an epoch
         module.calibrate_density(data.calibration_batches(min_length=module.attention_config.block_size))
-    controller = DSTController(module.cost_model, module.base_budgets, **dst_settings(name, args))
+    controller = DSTController(module.cost_model, module.base_budgets, **args.dst_settings[name])
     if calibrated is not None:
         module.cost_model.load_state_dict(calibrated["cost_model"])
         controller.load_state_dict(calibrated["controller"])

@@ -56,7 +56,7 @@ from sparsebalance_pl.kernels.selection import LayerBudget  # noqa: E402
 from sparsebalance_pl.model import PRESETS  # noqa: E402
 
 import end_to_end  # noqa: E402
-from end_to_end import BASELINE, VARIANTS, dst_settings, variant_kind  # noqa: E402  (the measured benchmark's)
+from end_to_end import BASELINE, VARIANTS, variant_kind  # noqa: E402  (the measured benchmark's)
 
 # Measured on an H100 (docs/RESULTS.md, 2026-11-22, bf16, Qwen2.5-0.5B attention shape): our Triton attention's
 # forward + backward per layer at full density on one 131,072-token document, its selection on the same, and
@@ -186,7 +186,7 @@ def simulate_cluster(args: argparse.Namespace) -> dict:
                     cost = CostModel(latency_of(attention), density)
                     cost.error = args.prediction_error
                     budgets = [LayerBudget(tau=args.tau)] * dims.num_layers
-                    controller = DSTController(cost, budgets, **dst_settings(name, args))
+                    controller = DSTController(cost, budgets, **args.dst_settings[name])
                     config = BatchingConfig(method=batching, max_tokens=max_tokens,
                                             defer_window=args.defer_window if batching == "sab" else 0)
                     plan = SparsityAwareSampler(lengths, config, cost_model=cost, seed=args.seed,

@@ -94,9 +94,8 @@ class SparsityReport:
         when the base figures were not reported."""
         if self.base_density is None or self.base_estimated_recall is None:
             return None
-        layers = len(self.density)
-        return (self.mean_density - sum(self.base_density) / layers,
-                self.mean_estimated_recall - sum(self.base_estimated_recall) / layers)
+        return (self.mean_density - sum(self.base_density) / len(self.base_density),
+                self.mean_estimated_recall - sum(self.base_estimated_recall) / len(self.base_estimated_recall))
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def test_a_bad_selection_variant_stops_with_one_line(spec, message):
 def test_an_end_to_end_variant_takes_its_own_dst_settings_over_the_command_line():
     args = end_to_end.parse_args(["--ranks", "4", "--anchor", "median", "--variants", "static", "sparsebalance",
                                   "sparsebalance:anchor=adaptive,recall_tolerance=0.001"])
-    settings = {spec: end_to_end.dst_settings(spec, args) for spec in args.variants}
+    settings = args.dst_settings
     assert settings["static"]["p"] == 0.0 and settings["sparsebalance"]["anchor"] == "median"
     assert settings["sparsebalance:anchor=adaptive,recall_tolerance=0.001"] == {
         "anchor": "adaptive", "p": 0.1, "recall_tolerance": 0.001}
