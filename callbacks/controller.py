@@ -41,11 +41,12 @@ from sparsebalance_pl.errors import ConfigError
 
 
 class RecallSlope:
-    """Estimated recall per unit of density where DST moves a budget, learned from the moves themselves.
+    """Recall per unit of density where DST moves a budget, learned from the moves themselves.
 
-    A moved rank reports its density and estimated recall both at the budget it used and at the base budget,
-    from the same ranking of its blocks (``SparsityReport.moved``), so their changes price density for exactly
-    those documents. Cuts and raises are priced apart: a straggler's cut drops the blocks of least mass across
+    A moved rank reports its density and recall both at the budget it used and at the base budget, from the
+    same ranking of its blocks (``SparsityReport.moved``: the exact recall on the same sampled rows where the
+    module measures it, else the selection's estimate), so their changes price density for exactly those
+    documents. Cuts and raises are priced apart: a straggler's cut drops the blocks of least mass across
     its layer, a fast rank's raise adds the next blocks of its rows, and where attention is sharp the two
     prices differ. (A fit across ranks cannot price it: ranks hold different documents, and packs that SAB
     balanced barely differ in density, which left such a fit at its prior.) Exponentially weighted ratios,
@@ -61,7 +62,7 @@ class RecallSlope:
         self.moments = np.zeros((2, 2))  # rows: cuts, raises; columns: density moved, recall it cost or bought
 
     def update(self, moves: Sequence[tuple[float, float]]) -> None:
-        """Learn from one step's moved ranks: each rank's (density, estimated recall) minus its base budget's."""
+        """Learn from one step's moved ranks: each rank's (density, recall) minus its base budget's."""
         step = np.zeros((2, 2))
         for density, recall in moves:
             if abs(density) >= self.MIN_MOVE:

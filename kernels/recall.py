@@ -31,14 +31,24 @@ def attention_recall(
     """Token-weighted mean over about ``num_rows`` sampled query tokens (all tokens when T is smaller) of the
     exact attention mass, under causal document attention, that falls on tokens the mask keeps; a 0-d tensor,
     or [Hq] if ``per_head``. Rows are drawn per document (``sampled_rows``), so a document is measured on the
-    same rows in whichever pack it lands."""
+    same rows in whichever pack it lands.
+
+    ``block_mask`` [Hq, nB, nB], or M masks stacked [M, Hq, nB, nB] for M recalls ([M] or [M, Hq]) measured on
+    the same rows from one softmax: their differences are then free of the sampling's noise (what a moved
+    budget cost or bought against the base one).
+    """
     check_power_of_two("block_size", block_size)
     check_qk(q, k)
     check_cu_seqlens(cu_seqlens, q.shape[0])
     num_tokens, num_q_heads, head_dim = q.shape
     nb = num_blocks(num_tokens, block_size)
-    if block_mask.dtype != torch.bool or tuple(block_mask.shape) != (num_q_heads, nb, nb):
-        raise ValueError(f"block_mask must be bool [{num_q_heads}, {nb}, {nb}], got {tuple(block_mask.shape)}")
+    stacked = block_mask.dim() == 4
+    masks = block_mask if stacked else block_mask[None]
+    if block_mask.dtype != torch.bool or tuple(masks.shape[1:]) != (num_q_heads, nb, nb):
+        raise ValueError(
+            f"block_mask must be bool [{num_q_heads}, {nb}, {nb}] or [M, {num_q_heads}, {nb}, {nb}], "
+            f"got {tuple(block_mask.shape)}"
+        )
     scale = head_dim**-0.5 if scale is None else scale
     rows, weights = sampled_rows(cu_seqlens, num_rows, seed)
     rows, weights = rows.to(q.device), weights.to(q.device)
@@ -47,12 +57,13 @@ def attention_recall(
     captured = []
     for chunk in rows.split(_ROWS_PER_CHUNK):
         allowed = pair_mask(doc, chunk, block_size)  # [R, T]
-        kept = pair_mask(doc, chunk, block_size, block_mask)  # [Hq, R, T]
         scores = (q[chunk].float().transpose(0, 1) @ kf.transpose(1, 2)) * scale
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        captured.append((probs * kept).sum(dim=-1))  # [Hq, R]
-    recall = (torch.cat(captured, dim=1) * weights).sum(dim=1) / weights.sum()
-    return recall if per_head else recall.mean()
+        # [M, Hq, R]: each mask's kept mass of every row
+        captured.append(torch.stack([(probs * pair_mask(doc, chunk, block_size, m)).sum(dim=-1) for m in masks]))
+    recall = (torch.cat(captured, dim=-1) * weights).sum(dim=-1) / weights.sum()  # [M, Hq]
+    recall = recall if per_head else recall.mean(dim=-1)
+    return recall if stacked else recall[0]
 
 
 def sampled_rows(cu_seqlens: torch.Tensor, num_rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

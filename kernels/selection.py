@@ -174,10 +174,8 @@ class BlockRanking:
         check_fraction("tau", tau)
         if max_density is not None:
             check_fraction("max_density", max_density)
-        kept = self.kept_at([tau], max_density, max_tiles)[..., 0]
-        keep_sorted = torch.arange(self.order.shape[-1], device=kept.device) < kept[..., None]
-        mask = torch.zeros_like(keep_sorted).scatter_(-1, self.order, keep_sorted)
-        return mask, self.stats(kept)
+        stats = self.stats(self.kept_at([tau], max_density, max_tiles)[..., 0])
+        return stats.mask(), stats
 
     def stats(self, kept: torch.Tensor) -> "SelectionStats":
         """The ``SelectionStats`` of keeping the first ``kept`` [Hq, nB] blocks of each row's ranking."""
@@ -214,6 +212,13 @@ class SelectionStats:
     @property
     def candidates(self) -> torch.Tensor:
         return self.ranking.candidates
+
+    def mask(self) -> torch.Tensor:
+        """The block mask [Hq, rows, nB] (rows: the ranking's query blocks): each row's first ``kept`` blocks of
+        its ranking."""
+        order = self.ranking.order
+        keep_sorted = torch.arange(order.shape[-1], device=self.kept.device) < self.kept[..., None]
+        return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
     def mean_density(self) -> torch.Tensor:
         """0-d: kept tiles / candidate tiles over all heads and rows."""

@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 
 from sparsebalance_pl.context_parallel import ContextParallel
 from sparsebalance_pl.errors import ConfigError
-from sparsebalance_pl.kernels.selection import SELECTION_OPTIONS, LayerBudget, selection_options
+from sparsebalance_pl.kernels.selection import SELECTION_OPTIONS, LayerBudget, SelectionStats, selection_options
 from sparsebalance_pl.timing import AttentionTimer
 
 ATTN_IMPLEMENTATION = "sparsebalance"
@@ -120,7 +120,8 @@ class LayerStats:
 
     ``base_document_density`` [docs]: each document's kept fraction of causal tiles had the layer used its
     base budget, counted from the same ranking (query blocks count for the document of their first token);
-    ``base_density`` and ``base_estimated_recall`` are the layer's at the base budget, likewise.
+    ``base_density`` and ``base_estimated_recall`` are the layer's at the base budget, likewise; ``recall`` and
+    ``base_recall`` the exact ones on the same sampled rows, when measured.
     """
 
     density: torch.Tensor
@@ -129,6 +130,7 @@ class LayerStats:
     base_density: torch.Tensor
     base_estimated_recall: torch.Tensor
     recall: torch.Tensor | None = None
+    base_recall: torch.Tensor | None = None
 
 
 @dataclass
@@ -139,7 +141,9 @@ class AttentionContext:
     ``LayerStats.base_document_density`` is counted (the configured ones; default: ``budgets``). With
     ``recall_rows`` > 0 each layer's exact recall is measured on about that many sampled query rows, outside the
     timed region (costs rows x T per head; not under context parallelism, where a rank lacks the other
-    ranks' keys). ``context_parallel``: the group sharing the stream, whose ranks must hold equal budgets; its
+    ranks' keys), at the budget in use and, on the same rows, at the base budget (``base_selections`` holds a
+    moved layer's base ``SelectionStats`` from the selection until then, so its mask is built outside the timed
+    region). ``context_parallel``: the group sharing the stream, whose ranks must hold equal budgets; its
     ``masks`` then hold only this rank's striped rows, and ``ring_timer`` times the ring's waits (a part of
     ``timer``'s time).
     """
@@ -153,7 +157,12 @@ class AttentionContext:
     recall_rows: int = 0
     context_parallel: ContextParallel = field(default_factory=ContextParallel)
     masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    base_selections: dict[int, SelectionStats] = field(default_factory=dict)
     stats: dict[int, LayerStats] = field(default_factory=dict)
+
+    @property
+    def measures_recall(self) -> bool:
+        return self.recall_rows > 0 and not self.context_parallel.active
 
     def mean_density(self) -> float | None:
         return _mean_of(s.density for s in self.stats.values())
@@ -163,6 +172,9 @@ class AttentionContext:
 
     def mean_recall(self) -> float | None:
         return _mean_of(s.recall for s in self.stats.values() if s.recall is not None)
+
+    def mean_base_recall(self) -> float | None:
+        return _mean_of(s.base_recall for s in self.stats.values() if s.base_recall is not None)
 
 
 def _mean_of(values) -> float | None:
@@ -222,6 +234,8 @@ def _sparse_attention(
         else:
             selection = select_with_budget(q.detach(), k.detach(), ctx.cu_seqlens, ctx.budgets[layer], base, **settings)
         mask = selection.mask
+        if ctx.measures_recall and selection.base_stats is not selection.stats:  # a moved budget: price the move
+            ctx.base_selections[layer] = selection.base_stats
         if cp.active:  # the ring reads only this rank's rows: keep W times less for the recomputation
             mask = mask[:, striped_blocks(mask.shape[1], cp.size, cp.rank, mask.device)]
         ctx.masks[layer] = mask
@@ -271,15 +285,21 @@ def sparsebalance_attention(
     timer = sb_context.timer
     out = attend(q, k, v) if timer is None else timer.timed(layer, attend, q, k, v)
     stats = sb_context.stats.get(layer)
-    measure_recall = sb_context.recall_rows > 0 and not sb_context.context_parallel.active
-    if measure_recall and stats is not None and stats.recall is None:
-        from sparsebalance_pl.kernels import attention_recall
-
-        stats.recall = attention_recall(
-            q.detach(), k.detach(), sb_context.masks[layer], sb_context.cu_seqlens,
-            block_size=sb_context.config.block_size, scale=scaling, num_rows=sb_context.recall_rows,
-        )
+    if sb_context.measures_recall and stats is not None and stats.recall is None:
+        _measure_recall(q, k, layer, sb_context, stats, scaling)
     return out.unsqueeze(0), None
+
+
+def _measure_recall(q, k, layer: int, ctx: AttentionContext, stats: LayerStats, scale: float | None) -> None:
+    """The layer's exact recall at the budget in use and at the base budget, on the same rows (one softmax)."""
+    from sparsebalance_pl.kernels import attention_recall
+
+    mask = ctx.masks[layer]
+    base = ctx.base_selections.pop(layer, None)
+    masks = mask[None] if base is None else torch.stack([mask, base.mask()])
+    recall = attention_recall(q.detach(), k.detach(), masks, ctx.cu_seqlens, block_size=ctx.config.block_size,
+                              scale=scale, num_rows=ctx.recall_rows)
+    stats.recall, stats.base_recall = recall[0], recall[-1]
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, sparsebalance_attention)

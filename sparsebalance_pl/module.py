@@ -243,6 +243,7 @@ class SparseQwen(L.LightningModule):
             ring_seconds=ring_seconds,
             base_density=[float(s.base_density) for s in layers],
             base_estimated_recall=[float(s.base_estimated_recall) for s in layers],
+            base_recall=ctx.mean_base_recall(),
         )
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

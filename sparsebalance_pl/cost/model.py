@@ -70,6 +70,8 @@ class SparsityReport:
             budget would have given, from the same ranking (``BudgetedSelection.base_stats``): against
             ``density`` and ``estimated_recall`` they are what a moved budget bought or cost, which DST's
             adaptive anchor learns from. None when not reported (it then keeps its prior).
+        base_recall: the exact recall the base budget would have given on the same sampled rows as ``recall``
+            (equal to it when the budget did not move); what prices a move where recall is measured.
     """
 
     density: list[float]
@@ -80,6 +82,7 @@ class SparsityReport:
     ring_seconds: float = 0.0
     base_density: list[float] | None = None
     base_estimated_recall: list[float] | None = None
+    base_recall: float | None = None
 
     @property
     def mean_density(self) -> float:
@@ -90,12 +93,18 @@ class SparsityReport:
         return sum(self.estimated_recall) / len(self.estimated_recall)
 
     def moved(self) -> tuple[float, float] | None:
-        """(density, estimated recall) at the budget used minus at the base budget, mean over layers; None
-        when the base figures were not reported."""
-        if self.base_density is None or self.base_estimated_recall is None:
+        """(density, recall) at the budget used minus at the base budget, mean over layers; the recall exact on
+        the sampled rows where both were measured, else estimated. None when the base figures were not
+        reported. (The selection's estimate grows more optimistic with length, so it misprices the long
+        documents that DST cuts most.)"""
+        if self.base_density is None:
             return None
-        return (self.mean_density - sum(self.base_density) / len(self.base_density),
-                self.mean_estimated_recall - sum(self.base_estimated_recall) / len(self.base_estimated_recall))
+        density = self.mean_density - sum(self.base_density) / len(self.base_density)
+        if self.recall is not None and self.base_recall is not None:
+            return density, self.recall - self.base_recall
+        if self.base_estimated_recall is None:
+            return None
+        return density, self.mean_estimated_recall - sum(self.base_estimated_recall) / len(self.base_estimated_recall)
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,10 @@ def test_end_to_end_benchmark_emulates_ranks_and_writes_every_step(tmp_path):
     for name, row in checked["rows"].items():
         measured = sum(max(step["rank_s"]) for step in results["variants"][name]["steps"])
         assert row["measured_s"] == pytest.approx(measured) and row["predicted_s"] >= row["exact_s"] > 0
-        assert 0 < row["balanced_s"] <= measured * 1.5
+        # every step's rank-seconds shared evenly, the ranks straying by the calibration's noise: at least the
+        # mean rank, at most what 3 such ranks' factors add up to (E[max] <= 3 E[factor] = 3 exp(noise^2 / 2))
+        mean_ranks = sum(sum(step["rank_s"]) / 3 for step in results["variants"][name]["steps"])
+        assert 0.99 * mean_ranks <= row["balanced_s"] <= 3 * math.exp(checked["rank_noise"] ** 2 / 2) * mean_ranks
         static = sum(max(step["rank_s"]) for step in results["variants"]["static"]["steps"])
         assert row["noise_ceiling"] == pytest.approx(static / row["balanced_s"])
         other = "static" if name == BALANCED else BALANCED  # fitted on the other's every round

@@ -75,12 +75,15 @@ def test_a_run_without_dst_calibrates_as_well_as_one_with_it():
                        state_with["latency"]["calibration"]["log_scales"])
 
 
-def test_the_report_prices_a_moved_budget_against_the_base_one():
+@pytest.mark.parametrize("recall_rows", [0, 64])
+def test_the_report_prices_a_moved_budget_against_the_base_one(recall_rows):
     """With the layers' kept tiles cut to half of the base budget's, the report holds both: fewer tiles, less
-    estimated recall, and the base figures as a static step would report them."""
+    recall, and the base figures as a static step would report them. Where the module measures exact recall,
+    the move is priced by it, the base budget's measured on the same rows."""
     torch.manual_seed(0)
     module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY),
-                        attention=AttentionConfig(backend="sparse", block_size=64, stride=16, tau=0.9))
+                        attention=AttentionConfig(backend="sparse", block_size=64, stride=16, tau=0.9,
+                                                  recall_rows=recall_rows))
     module.configure_model()
     batch = _batches(1)[0]
     module(batch)
@@ -93,3 +96,11 @@ def test_the_report_prices_a_moved_budget_against_the_base_one():
         static.estimated_recall)
     density, recall = cut.moved()
     assert density < 0 and recall < 0
+    assert not module.last_context.base_selections  # each moved layer's base was measured and let go
+    if recall_rows:
+        assert static.base_recall == static.recall and cut.base_recall == pytest.approx(static.recall, abs=1e-6)
+        assert recall == pytest.approx(cut.recall - cut.base_recall)
+        estimated = cut.mean_estimated_recall - sum(cut.base_estimated_recall) / len(cut.base_estimated_recall)
+        assert recall != pytest.approx(estimated)
+    else:
+        assert cut.recall is None and cut.base_recall is None

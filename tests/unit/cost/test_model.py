@@ -223,3 +223,13 @@ def test_a_saved_step_replays_into_the_same_state():
         saved = json.loads(json.dumps(live.observe(records, whole_seconds=whole).replay_dict()))
         replayed.replay(saved)
     assert json.dumps(replayed.state_dict(), sort_keys=True) == json.dumps(live.state_dict(), sort_keys=True)
+
+
+def test_a_move_is_priced_by_exact_recall_where_it_was_measured_else_by_the_estimate():
+    moved = dict(density=[0.3] * 2, estimated_recall=[0.80] * 2, base_document_density=[0.4], attention_seconds=1.0,
+                 base_density=[0.4] * 2, base_estimated_recall=[0.90] * 2)
+    estimated = SparsityReport(**moved)
+    assert estimated.moved() == pytest.approx((-0.1, -0.1))
+    assert SparsityReport(**moved, recall=0.85, base_recall=0.88).moved() == pytest.approx((-0.1, -0.03))
+    assert SparsityReport(**moved, recall=0.85).moved() == pytest.approx((-0.1, -0.1))  # no base recall measured
+    assert SparsityReport(**dict(moved, base_density=None)).moved() is None

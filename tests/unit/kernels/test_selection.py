@@ -105,6 +105,8 @@ def test_budget_selection_honours_the_density_scale_and_counts_base_densities(sc
     assert moved[0] * moved[1] >= 0  # more tiles never estimate less mass, and fewer never more
     assert chosen.base_document_density.shape == (len(CU) - 1,)
     assert ((chosen.base_document_density > 0) & (chosen.base_document_density <= 1)).all()
+    # the base budget's mask, rebuilt from the moved selection's ranking, is the one selecting it gives
+    assert torch.equal(chosen.base_stats.mask(), at_base.mask) and torch.equal(chosen.stats.mask(), chosen.mask)
 
 
 def test_a_base_budget_that_carries_a_density_scale_is_its_own_base():
@@ -178,6 +180,21 @@ def test_recall_of_full_mask_is_one():
     candidates, _ = structure(16)
     full = candidates.expand(4, -1, -1).clone()
     assert attention_recall(q, k, full, CU, block_size=16, per_head=True).tolist() == pytest.approx([1.0] * 4)
+
+
+def test_stacked_masks_are_measured_on_the_same_rows_as_each_alone():
+    """A moved budget and its base are priced on one softmax of the same rows: each recall is the one its mask
+    gives alone, so their difference carries no sampling noise of its own."""
+    q, k = qk(5, smooth=True)
+    masks = [select_blocks(q, k, CU, block_size=16, tau=tau, stride=8) for tau in (0.6, 0.9)]
+    alone = [attention_recall(q, k, m, CU, block_size=16, num_rows=40, per_head=True) for m in masks]
+    stacked = attention_recall(q, k, torch.stack(masks), CU, block_size=16, num_rows=40, per_head=True)
+    assert stacked.shape == (2, 4) and torch.allclose(stacked, torch.stack(alone), atol=1e-6)
+    means = attention_recall(q, k, torch.stack(masks), CU, block_size=16, num_rows=40)
+    assert means.tolist() == pytest.approx([float(a.mean()) for a in alone], abs=1e-6)
+    assert float(means[1]) > float(means[0])  # the larger tau's nested mask keeps more of the same rows' mass
+    with pytest.raises(ValueError, match="block_mask must be bool"):
+        attention_recall(q, k, torch.stack(masks)[:, :2], CU, block_size=16)
 
 
 def test_recall_measures_a_document_on_the_same_rows_wherever_it_is_packed():
