@@ -41,8 +41,8 @@ class Outlook:
     """One rank's predicted seconds for its micro-batch: at the base budget and at the ends of its range.
 
     ``density`` is the effective base density rho0 (the uniform density predicting ``base``); ``low`` is
-    the predicted time at the sparsest density the rank may take (``floor``), ``high`` the one at rho0 + p
-    (both clipped to the model's density range).
+    the predicted time at the sparsest density the rank may take (``floor``), ``high`` the one at the densest
+    (``top``; both clipped to the model's density range).
     """
 
     base: float
@@ -51,28 +51,40 @@ class Outlook:
     density: float
     tokens: float
     floor: float
+    top: float
 
     def at(self, anchor: float) -> float:
         """Predicted seconds once the budget moved toward ``anchor``."""
         return min(max(anchor, self.low), self.high)
 
-    def density_at(self, anchor: float, p: float) -> float:
+    def density_at(self, anchor: float) -> float:
         """Approximate density at ``anchor``: time is close to linear in density between the range ends."""
-        high = min(self.density + p, 1.0)
-        return float(np.interp(self.at(anchor), [self.low, self.base, self.high], [self.floor, self.density, high]))
+        return float(np.interp(self.at(anchor), [self.low, self.base, self.high], [self.floor, self.density, self.top]))
 
 
 def outlook(
-    model: LatencyModel, lengths: Sequence[int], base_density: Sequence[float], p: float, min_density: float = 0.0
+    model: LatencyModel,
+    lengths: Sequence[int],
+    base_density: Sequence[float],
+    p: float,
+    min_density: float = 0.0,
+    raises_to_dense: bool = False,
 ) -> Outlook:
     """This rank's ``Outlook`` for documents of ``lengths`` with estimated base densities ``base_density``;
-    its cap may go down to ``min_density`` (at least the model's smallest density; with p = 0 it stays)."""
+    its cap may go down to ``min_density`` (at least the model's smallest density; with p = 0 it stays), and up
+    to rho0 + p, or to dense where ``raises_to_dense``: where the raised tau keeps every candidate block
+    (``raises_to_dense``), only the scale's ceiling bounds a raise, at the anchor's density (``rank_budget``)."""
     base = model.predict(lengths, base_density)
     rho0 = model.density_for(lengths, base, clip=True)
     floor = rho0 if p <= 0 else min(max(min_density, model.min_density), rho0)
-    low = model.predict(lengths, floor)
-    high = model.predict(lengths, min(rho0 + p, 1.0))
-    return Outlook(base, min(low, base), max(high, base), rho0, float(sum(lengths)), floor)
+    top = rho0 if p <= 0 else 1.0 if raises_to_dense else min(rho0 + p, 1.0)
+    low, high = model.predict(lengths, floor), model.predict(lengths, top)
+    return Outlook(base, min(low, base), max(high, base), rho0, float(sum(lengths)), floor, top)
+
+
+def raises_to_dense(base: Sequence[LayerBudget], p: float) -> bool:
+    """Whether a full raise (tau and the per-row cap up by p) keeps every candidate block in every layer."""
+    return p > 0 and all(b.tau + p >= 1.0 - 1e-9 and _cap(b.max_density, 1.0, p) is None for b in base)
 
 
 def anchor_time(times: Sequence[float], anchor: str) -> float:
@@ -96,20 +108,20 @@ def target_time(view: Outlook, anchor: float, margin: float = 0.0) -> float:
 
 
 def recall_drop(
-    outlooks: Sequence[Outlook], anchor: float, p: float, slopes: tuple[float, float], margin: float = 0.0
+    outlooks: Sequence[Outlook], anchor: float, slopes: tuple[float, float], margin: float = 0.0
 ) -> float:
     """Predicted token-weighted loss of recall against the base budget once every rank moved toward ``anchor``
     (fast ranks to ``target_time``); ``slopes``: recall lost per unit of density cut and gained per unit
     raised (``RecallSlope.slopes``)."""
     tokens = np.array([o.tokens for o in outlooks])
-    change = np.array([o.density_at(target_time(o, anchor, margin), p) - o.density for o in outlooks])
+    change = np.array([o.density_at(target_time(o, anchor, margin)) - o.density for o in outlooks])
     cut, raised = slopes
     gained = cut * np.minimum(change, 0.0) + raised * np.maximum(change, 0.0)
     return float(-(tokens * gained).sum() / max(tokens.sum(), 1.0))
 
 
 def adaptive_anchor(
-    outlooks: Sequence[Outlook], p: float, slopes: tuple[float, float], tolerance: float, margin: float = 0.0
+    outlooks: Sequence[Outlook], slopes: tuple[float, float], tolerance: float, margin: float = 0.0
 ) -> float:
     """The lowest anchor, between the fastest and the slowest rank's base time, whose predicted recall loss is
     within ``tolerance`` (fast ranks aiming at ``target_time`` with ``margin``).
@@ -122,11 +134,11 @@ def adaptive_anchor(
     """
     base = [o.base for o in outlooks]
     low, high = min(base), max(base)
-    if slopes[0] <= 0 or recall_drop(outlooks, low, p, slopes, margin) <= tolerance:
+    if slopes[0] <= 0 or recall_drop(outlooks, low, slopes, margin) <= tolerance:
         return low
     while high - low > 1e-6 * high:
         middle = 0.5 * (low + high)
-        if recall_drop(outlooks, middle, p, slopes, margin) <= tolerance:
+        if recall_drop(outlooks, middle, slopes, margin) <= tolerance:
             high = middle
         else:
             low = middle

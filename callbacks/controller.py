@@ -31,6 +31,7 @@ from sparsebalance_pl.callbacks.budget import (
     adaptive_anchor,
     anchor_time,
     outlook,
+    raises_to_dense,
     rank_budget,
     reachable_anchor,
     target_time,
@@ -46,7 +47,10 @@ class RecallSlope:
     A moved rank reports its density and recall both at the budget it used and at the base budget, from the
     same ranking of its blocks (``SparsityReport.moved``: the exact recall on the same sampled rows where the
     module measures it, else the selection's estimate), so their changes price density for exactly those
-    documents. Cuts and raises are priced apart: a straggler's cut drops the blocks of least mass across
+    documents. Where recall is measured every rank also reports a probe cut and a probe raise of its base
+    budget on every step (``SparsityReport.probe_moves``), so the prices are learned before DST's first move:
+    DST moves in few steps where SAB balanced the packs (one or two of seven at 32 ranks), and the prior would
+    price those. Cuts and raises are priced apart: a straggler's cut drops the blocks of least mass across
     its layer, a fast rank's raise adds the next blocks of its rows, and where attention is sharp the two
     prices differ. (A fit across ranks cannot price it: ranks hold different documents, and packs that SAB
     balanced barely differ in density, which left such a fit at its prior.) Exponentially weighted ratios,
@@ -191,7 +195,8 @@ class DSTController:
 
     def _views(self, models: Sequence[LatencyModel], lengths: Sequence[Sequence[int]]) -> list[Outlook]:
         density = self.cost_model.document_density
-        return [outlook(model, ls, density(ls), self.p, self.min_density) for model, ls in zip(models, lengths)]
+        dense = raises_to_dense(self.base_budgets, self.p)
+        return [outlook(model, ls, density(ls), self.p, self.min_density, dense) for model, ls in zip(models, lengths)]
 
     def _targets(self, views: Sequence[Outlook], anchor: float, margin: float) -> list[float]:
         """Each rank's target time: its base time inside the deadband or with p = 0, else its ``target_time``
@@ -209,15 +214,20 @@ class DSTController:
 
     def _anchor(self, views: Sequence[Outlook], margin: float) -> float:
         if self.anchor == "adaptive":
-            anchor = adaptive_anchor(views, self.p, self.recall_slope.slopes, self.recall_tolerance, margin)
+            anchor = adaptive_anchor(views, self.recall_slope.slopes, self.recall_tolerance, margin)
         else:
             anchor = anchor_time([v.base for v in views], self.anchor)
         return reachable_anchor(views, anchor)
 
     def learn(self, observation: StepObservation) -> None:
-        """What the step did: the recall each rank's move of density cost or bought (for the adaptive anchor)."""
-        moves = [record.report.moved() for record in observation.records]
-        self.recall_slope.update([move for move in moves if move is not None])
+        """What the step did: the recall each rank's move of density cost or bought, and its price probes' (for
+        the adaptive anchor)."""
+        moves = []
+        for record in observation.records:
+            if (move := record.report.moved()) is not None:
+                moves.append(move)
+            moves.extend(record.report.probe_moves or ())
+        self.recall_slope.update(moves)
 
     def state_dict(self) -> dict[str, Any]:
         budgets = [[[b.tau, b.max_density, b.density_scale] for b in rank] for rank in self.budgets]

@@ -220,6 +220,12 @@ class SelectionStats:
         keep_sorted = torch.arange(order.shape[-1], device=self.kept.device) < self.kept[..., None]
         return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
+    def under(self, budget: LayerBudget) -> "SelectionStats":
+        """What ``budget`` keeps from the same ranking, its ``density_scale`` counted against the tiles these
+        stats keep (as the base budget's): a move priced without scoring again."""
+        kept = self.ranking.kept_at([budget.tau], budget.max_density, _max_tiles(self.ranking, budget, self.kept))
+        return self.ranking.stats(kept[..., 0])
+
     def mean_density(self) -> torch.Tensor:
         """0-d: kept tiles / candidate tiles over all heads and rows."""
         return self.kept.sum() / (self.candidates.sum() * self.kept.shape[0])
@@ -549,15 +555,20 @@ def _select_budgeted(ranking: BlockRanking, budget: LayerBudget, base: LayerBudg
     counts that span the layer are the ranking's ``_total`` over the whole stream."""
     own = budget == base and budget.density_scale is None  # the base budget itself: its counts are the base's
     base_kept = None if own else ranking.kept_at([base.tau], base.max_density)[..., 0]
-    max_tiles = None
-    if budget.density_scale is not None:
-        max_tiles = (budget.density_scale * ranking._total(base_kept.sum())).floor()
-    mask, stats = ranking.select(budget.tau, budget.max_density, max_tiles)
+    mask, stats = ranking.select(budget.tau, budget.max_density, _max_tiles(ranking, budget, base_kept))
     base_stats = stats if own else ranking.stats(base_kept)  # static runs and evaluation use the base itself
     kept, covered = _document_tiles(base_stats.kept, ranking.candidates, cu_seqlens, num_tokens, block_size,
                                     ranking.q_blocks)
     base_density = _density(ranking._total(kept), ranking._total(covered), base_stats.kept.shape[0])
     return BudgetedSelection(mask, stats, base_stats, base_density)
+
+
+def _max_tiles(ranking: BlockRanking, budget: LayerBudget, base_kept: torch.Tensor | None):
+    """The layer's bound on kept tiles under ``budget``: its ``density_scale`` times the base budget's tiles
+    (``base_kept`` [Hq, rows], summed over the stream); None without a scale."""
+    if budget.density_scale is None:
+        return None
+    return (budget.density_scale * ranking._total(base_kept.sum())).floor()
 
 
 def document_density(

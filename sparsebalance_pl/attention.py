@@ -20,7 +20,7 @@ are free of collectives, unlike whole steps under FSDP or DDP.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -121,7 +121,8 @@ class LayerStats:
     ``base_document_density`` [docs]: each document's kept fraction of causal tiles had the layer used its
     base budget, counted from the same ranking (query blocks count for the document of their first token);
     ``base_density`` and ``base_estimated_recall`` are the layer's at the base budget, likewise; ``recall`` and
-    ``base_recall`` the exact ones on the same sampled rows, when measured.
+    ``base_recall`` the exact ones on the same sampled rows, when measured, and then ``probe_moves`` [2, 2]:
+    (density, exact recall) of each of ``price_probes`` minus the base budget's, on those rows.
     """
 
     density: torch.Tensor
@@ -131,6 +132,7 @@ class LayerStats:
     base_estimated_recall: torch.Tensor
     recall: torch.Tensor | None = None
     base_recall: torch.Tensor | None = None
+    probe_moves: torch.Tensor | None = None
 
 
 @dataclass
@@ -141,9 +143,9 @@ class AttentionContext:
     ``LayerStats.base_document_density`` is counted (the configured ones; default: ``budgets``). With
     ``recall_rows`` > 0 each layer's exact recall is measured on about that many sampled query rows, outside the
     timed region (costs rows x T per head; not under context parallelism, where a rank lacks the other
-    ranks' keys), at the budget in use and, on the same rows, at the base budget (``base_selections`` holds a
-    moved layer's base ``SelectionStats`` from the selection until then, so its mask is built outside the timed
-    region). ``context_parallel``: the group sharing the stream, whose ranks must hold equal budgets; its
+    ranks' keys), at the budget in use and, on the same rows, at the base budget and at its ``price_probes``
+    (``base_selections`` holds the layer's base ``SelectionStats`` from the selection until then, so their masks
+    are built outside the timed region). ``context_parallel``: the group sharing the stream, whose ranks must hold equal budgets; its
     ``masks`` then hold only this rank's striped rows, and ``ring_timer`` times the ring's waits (a part of
     ``timer``'s time).
     """
@@ -175,6 +177,11 @@ class AttentionContext:
 
     def mean_base_recall(self) -> float | None:
         return _mean_of(s.base_recall for s in self.stats.values() if s.base_recall is not None)
+
+    def mean_probe_moves(self) -> list[tuple[float, float]] | None:
+        """Each price probe's (density, exact recall) against the base budget, mean over the measured layers."""
+        moves = [s.probe_moves for s in self.stats.values() if s.probe_moves is not None]
+        return [tuple(move) for move in torch.stack(moves).float().mean(0).tolist()] if moves else None
 
 
 def _mean_of(values) -> float | None:
@@ -234,7 +241,7 @@ def _sparse_attention(
         else:
             selection = select_with_budget(q.detach(), k.detach(), ctx.cu_seqlens, ctx.budgets[layer], base, **settings)
         mask = selection.mask
-        if ctx.measures_recall and selection.base_stats is not selection.stats:  # a moved budget: price the move
+        if ctx.measures_recall:  # the base budget and its price probes are measured beside the budget in use
             ctx.base_selections[layer] = selection.base_stats
         if cp.active:  # the ring reads only this rank's rows: keep W times less for the recomputation
             mask = mask[:, striped_blocks(mask.shape[1], cp.size, cp.rank, mask.device)]
@@ -290,16 +297,33 @@ def sparsebalance_attention(
     return out.unsqueeze(0), None
 
 
+#: Share of the base budget's tiles that the price probes keep: a straggler's cut (the least estimated mass
+#: across the layer goes first) and a fast rank's raise with every candidate allowed (tau 1, as DST raises where
+#: tau0 + p >= 1; where it is lower the probe prices a raise more freely than DST makes it). Sizes of DST's
+#: moves in the deferred step of 32 emulated ranks: cuts to 55-72% of the base tiles, raises to 1.1-3x.
+PROBE_CUT, PROBE_RAISE = 0.7, 2.0
+
+
+def price_probes(base: LayerBudget) -> tuple[LayerBudget, LayerBudget]:
+    """The moves of the base budget ``base`` whose exact recall a measured layer prices on every step, so that
+    DST's adaptive anchor knows what density costs and buys before its first move (``LayerStats.probe_moves``)."""
+    return replace(base, density_scale=PROBE_CUT), LayerBudget(1.0, None, PROBE_RAISE)
+
+
 def _measure_recall(q, k, layer: int, ctx: AttentionContext, stats: LayerStats, scale: float | None) -> None:
-    """The layer's exact recall at the budget in use and at the base budget, on the same rows (one softmax)."""
+    """The layer's exact recall at the budget in use, the base budget and its price probes, on the same rows
+    (one softmax)."""
     from sparsebalance_pl.kernels import attention_recall
 
-    mask = ctx.masks[layer]
-    base = ctx.base_selections.pop(layer, None)
-    masks = mask[None] if base is None else torch.stack([mask, base.mask()])
+    base = ctx.base_selections.pop(layer)
+    probes = [base.under(budget) for budget in price_probes((ctx.base_budgets or ctx.budgets)[layer])]
+    masks = torch.stack([ctx.masks[layer], base.mask(), *(probe.mask() for probe in probes)])
     recall = attention_recall(q.detach(), k.detach(), masks, ctx.cu_seqlens, block_size=ctx.config.block_size,
                               scale=scale, num_rows=ctx.recall_rows)
-    stats.recall, stats.base_recall = recall[0], recall[-1]
+    stats.recall, stats.base_recall = recall[0], recall[1]
+    base_density = base.mean_density()
+    stats.probe_moves = torch.stack([torch.stack([probe.mean_density() - base_density, probe_recall - recall[1]])
+                                     for probe, probe_recall in zip(probes, recall[2:])])
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, sparsebalance_attention)

@@ -244,6 +244,7 @@ class SparseQwen(L.LightningModule):
             base_density=[float(s.base_density) for s in layers],
             base_estimated_recall=[float(s.base_estimated_recall) for s in layers],
             base_recall=ctx.mean_base_recall(),
+            probe_moves=ctx.mean_probe_moves(),
         )
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

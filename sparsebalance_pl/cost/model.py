@@ -72,6 +72,9 @@ class SparsityReport:
             adaptive anchor learns from. None when not reported (it then keeps its prior).
         base_recall: the exact recall the base budget would have given on the same sampled rows as ``recall``
             (equal to it when the budget did not move); what prices a move where recall is measured.
+        probe_moves: where recall is measured, (density, exact recall) of each price probe (a cut and a raise
+            of the base budget, ``sparsebalance_pl.attention.price_probes``) minus the base budget's, mean over
+            layers: what DST's adaptive anchor learns its prices from on every step, moved or not.
     """
 
     density: list[float]
@@ -83,6 +86,7 @@ class SparsityReport:
     base_density: list[float] | None = None
     base_estimated_recall: list[float] | None = None
     base_recall: float | None = None
+    probe_moves: list[tuple[float, float]] | None = None
 
     @property
     def mean_density(self) -> float:

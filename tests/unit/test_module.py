@@ -82,8 +82,8 @@ def test_the_report_prices_a_moved_budget_against_the_base_one(recall_rows):
     the move is priced by it, the base budget's measured on the same rows."""
     torch.manual_seed(0)
     module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY),
-                        attention=AttentionConfig(backend="sparse", block_size=64, stride=16, tau=0.9,
-                                                  recall_rows=recall_rows))
+                        attention=AttentionConfig(backend="sparse", block_size=64, stride=16, tau=0.6,
+                                                  recall_rows=recall_rows))  # below 1 at the base: room to raise
     module.configure_model()
     batch = _batches(1)[0]
     module(batch)
@@ -93,14 +93,19 @@ def test_the_report_prices_a_moved_budget_against_the_base_one(recall_rows):
     cut = module.sparsity_report()
     assert static.moved() == (0.0, 0.0)
     assert cut.base_density == pytest.approx(static.density) and cut.base_estimated_recall == pytest.approx(
-        static.estimated_recall)
+        static.estimated_recall, abs=1e-4)
     density, recall = cut.moved()
     assert density < 0 and recall < 0
     assert not module.last_context.base_selections  # each moved layer's base was measured and let go
     if recall_rows:
-        assert static.base_recall == static.recall and cut.base_recall == pytest.approx(static.recall, abs=1e-6)
+        # (a layer after a moved one sees that layer's other output, so the base figures agree only closely)
+        assert static.base_recall == static.recall and cut.base_recall == pytest.approx(static.recall, abs=1e-3)
         assert recall == pytest.approx(cut.recall - cut.base_recall)
         estimated = cut.mean_estimated_recall - sum(cut.base_estimated_recall) / len(cut.base_estimated_recall)
         assert recall != pytest.approx(estimated)
+        # the price probes of the base budget, the same whatever budget is in use
+        (cut_density, cut_recall), (raised_density, raised_recall) = static.probe_moves
+        assert cut_density < 0 and cut_recall < 0 < raised_recall and raised_density > 0
+        assert np.allclose(cut.probe_moves, static.probe_moves, atol=1e-3)
     else:
-        assert cut.recall is None and cut.base_recall is None
+        assert cut.recall is None and cut.base_recall is None and cut.probe_moves is None

@@ -9,6 +9,7 @@ from sparsebalance_pl.callbacks.budget import (
     adaptive_anchor,
     anchor_time,
     outlook,
+    raises_to_dense,
     rank_budget,
     reachable_anchor,
     recall_drop,
@@ -106,18 +107,40 @@ def test_adaptive_anchor_trades_speed_for_recall(model):
     views = _views(model, p)
     fastest = min(v.base for v in views)
     # Cuts that cost no recall: the fastest step.
-    assert adaptive_anchor(views, p, (0.0, 1.0), tolerance=0.0) == fastest
+    assert adaptive_anchor(views, (0.0, 1.0), tolerance=0.0) == fastest
     # Recall that follows density and no allowance: the lowest anchor that loses no recall.
     even = (1.0, 1.0)
-    anchor = adaptive_anchor(views, p, even, tolerance=0.0)
+    anchor = adaptive_anchor(views, even, tolerance=0.0)
     assert fastest < anchor < max(v.base for v in views)
-    assert recall_drop(views, anchor, p, even) <= 0.0 < recall_drop(views, anchor * (1 - 1e-4), p, even)
+    assert recall_drop(views, anchor, even) <= 0.0 < recall_drop(views, anchor * (1 - 1e-4), even)
     # An allowance buys a shorter step.
-    allowed = adaptive_anchor(views, p, even, tolerance=0.01)
-    assert allowed < anchor and recall_drop(views, allowed, p, even) == pytest.approx(0.01, abs=1e-6)
+    allowed = adaptive_anchor(views, even, tolerance=0.01)
+    assert allowed < anchor and recall_drop(views, allowed, even) == pytest.approx(0.01, abs=1e-6)
     # Raises that buy more recall per unit of density than cuts cost: a shorter step at no predicted loss;
     # raises that buy less: a longer one.
-    assert adaptive_anchor(views, p, (0.5, 1.0), tolerance=0.0) < anchor < adaptive_anchor(views, p, (1.0, 0.5), 0.0)
+    assert adaptive_anchor(views, (0.5, 1.0), tolerance=0.0) < anchor < adaptive_anchor(views, (1.0, 0.5), 0.0)
+
+
+def test_a_raise_that_keeps_every_candidate_is_priced_up_to_the_anchor(model):
+    """With tau0 + p >= 1 a raised rank keeps every candidate block but for the scale's ceiling at the anchor's
+    density (``rank_budget``): its outlook reaches dense, so the adaptive anchor prices the raise it will get,
+    not one of p; the budgets themselves are the same either way."""
+    p = 0.1
+    assert raises_to_dense([LayerBudget(0.9)], p) and raises_to_dense([LayerBudget(0.95, 0.95)], p)
+    assert not raises_to_dense([LayerBudget(0.85)], p) and not raises_to_dense([LayerBudget(0.9, 0.5)], p)
+    assert not raises_to_dense([LayerBudget(0.9)], 0.0)
+    lengths = [2048] * 2
+    bounded, dense = (outlook(model, lengths, [0.3] * 2, p, raises_to_dense=d) for d in (False, True))
+    assert bounded.top == pytest.approx(bounded.density + p) and dense.top == 1.0 and dense.high > bounded.high
+    anchor = bounded.high * 1.5  # well above what a raise of p reaches
+    assert bounded.density_at(anchor) == pytest.approx(bounded.density + p)
+    assert dense.density_at(anchor) > bounded.density + 2 * p
+    base = [LayerBudget(0.9)]
+    moves = [rank_budget(model, lengths, view, anchor, p, base) for view in (bounded, dense)]
+    assert moves[0].budgets == moves[1].budgets and moves[0].shift == moves[1].shift == 1.0
+    assert moves[1].density == pytest.approx(model.density_for(lengths, anchor, clip=True))  # what it will keep
+    static = outlook(model, lengths, [0.3] * 2, 0.0, raises_to_dense=True)
+    assert static.top == static.density == static.floor
 
 
 def test_only_fast_ranks_keep_a_margin_below_the_anchor(model):
@@ -140,7 +163,7 @@ def test_an_anchor_below_the_slowest_ranks_floor_is_raised_to_it(model):
     raised = reachable_anchor(views, mean)
     assert raised == straggler_floor
     assert max(v.at(raised) for v in views) == max(v.at(mean) for v in views)  # the same step
-    assert views[1].density_at(raised, p) > views[1].density_at(mean, p)  # the fast rank denser
+    assert views[1].density_at(raised) > views[1].density_at(mean)  # the fast rank denser
     assert reachable_anchor(views, views[0].base) == views[0].base
 
 

@@ -142,3 +142,15 @@ def test_the_adaptive_anchor_prices_cuts_and_raises_apart_from_the_moves_it_made
     restored = DSTController(_cost(0.05), BASE, p=0.1, anchor="adaptive")
     restored.load_state_dict(controller.state_dict())
     assert restored.recall_slope.slopes == controller.recall_slope.slopes
+
+
+def test_price_probes_teach_the_prices_in_steps_where_no_rank_moved():
+    """SAB's balanced packs leave DST in its deadband most steps; where recall is measured each rank's probe cut
+    and raise of its base budget still price density, so the first move is not priced by the prior."""
+    controller = DSTController(_cost(0.05), BASE, p=0.1, anchor="adaptive", recall_tolerance=0.0)
+    unmoved = SparsityReport([0.3] * 4, [0.9] * 4, [0.3], 0.1, recall=0.9, base_density=[0.3] * 4,
+                             base_estimated_recall=[0.9] * 4, base_recall=0.9, probe_moves=[(-0.09, -0.027), (0.3, 0.04)])
+    for _ in range(40):
+        controller.learn(StepObservation([StepRecord([1024], unmoved)] * 4, TIMES, TIMES))
+    cut, raised = controller.recall_slope.slopes
+    assert cut == pytest.approx(0.3, abs=0.01) and raised == pytest.approx(0.4 / 3, abs=0.01)

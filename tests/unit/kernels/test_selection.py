@@ -107,6 +107,9 @@ def test_budget_selection_honours_the_density_scale_and_counts_base_densities(sc
     assert ((chosen.base_document_density > 0) & (chosen.base_document_density <= 1)).all()
     # the base budget's mask, rebuilt from the moved selection's ranking, is the one selecting it gives
     assert torch.equal(chosen.base_stats.mask(), at_base.mask) and torch.equal(chosen.stats.mask(), chosen.mask)
+    # and any budget's kept tiles follow from the base's stats without scoring again (how moves are priced)
+    assert torch.equal(at_base.stats.under(budget).kept, chosen.stats.kept)
+    assert torch.equal(at_base.stats.under(base).kept, at_base.stats.kept)
 
 
 def test_a_base_budget_that_carries_a_density_scale_is_its_own_base():
