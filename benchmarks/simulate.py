@@ -130,30 +130,14 @@ def rank_noise_of_error(error: float) -> float:
     return error / MEDIAN_ABS_NORMAL
 
 
-def expected_epoch_seconds(steps: list[list[float]], noise: float, draws: int = 2000, seed: int = 0,
-                           strays: np.ndarray | None = None) -> float:
+def expected_epoch_seconds(steps: list[list[float]], noise: float, draws: int = 2000, seed: int = 0) -> float:
     """The sum over steps of the slowest rank's time, in expectation when every rank's time is its prediction
-    times an independent log-normal factor of spread ``noise`` (median 1), or, given ``strays`` (measured logs
-    of ranks' times over their predictions, each about its step's mean), the exponential of one of those drawn
-    at random: a machine whose speed jumps (two modes, say) strays more often far than a log-normal fitted to
-    its median deviation says."""
-    if strays is None and noise <= 0:
+    times an independent log-normal factor of spread ``noise`` (median 1)."""
+    if noise <= 0:
         return sum(max(r) for r in steps)
     rng = np.random.default_rng(seed)
-
-    def factors(n: int) -> np.ndarray:
-        logs = noise * rng.standard_normal((draws, n)) if strays is None else rng.choice(strays, (draws, n))
-        return np.exp(logs)
-
-    return sum(float((np.asarray(r) * factors(len(r))).max(axis=1).mean()) for r in steps)
-
-
-def centred_strays(measured: Sequence[Sequence[float]], predicted: Sequence[Sequence[float]]) -> np.ndarray:
-    """Every rank's log(measured / predicted) seconds about its step's mean, over all steps (an error all ranks
-    of a step share moves the epoch's time, not its balance)."""
-    logs = [np.log(np.asarray(m, dtype=np.float64) / np.asarray(p, dtype=np.float64))
-            for m, p in zip(measured, predicted)]
-    return np.concatenate([step - step.mean() for step in logs if step.size > 1] or [np.zeros(0)])
+    return sum(float((np.asarray(r) * np.exp(noise * rng.standard_normal((draws, len(r))))).max(axis=1).mean())
+               for r in steps)
 
 
 def summary(steps: list[list[float]], tokens: int, noise: float = 0.0) -> dict:
@@ -261,24 +245,21 @@ def check_against_emulation(args: argparse.Namespace) -> dict:
         states[name] = json.loads(path.read_text())
     # one machine, one model: every variant's calibration steps measure the same spread
     noise = rank_noise([step for state in states.values() for step in state["residuals"]])
-    rows, strays, evened = {}, [], {}
+    rows = {}
     for name in names:
         _, data, _, controller, plan = end_to_end.prepare_emulated(base, name, e2e_args, 0, calibrated=states[name])
         lengths = np.asarray(data.lengths("train"))
         tokens = plan_tokens(plan, lengths)
 
-        def predict() -> tuple[dict, list[list[float]]]:
-            steps = predicted_epoch(plan, lengths, controller, noise)
-            return summary(steps, tokens, noise), steps
+        def predict() -> dict:
+            return summary(predicted_epoch(plan, lengths, controller, noise), tokens, noise)
 
-        predicted, predicted_steps = predict()
+        predicted = predict()
         got = measured[name]
-        strays.append(centred_strays([step["rank_s"] for step in got["steps"]], predicted_steps))
         compute = sum(max(step["rank_s"]) for step in got["steps"])  # the emulation's step less its optimiser
         mean_ranks = [statistics.fmean(step["rank_s"]) for step in got["steps"]]
         # the ceiling of any planner for this work: every step's rank-seconds shared evenly, the ranks straying
-        evened[name] = [[m] * len(s["rank_s"]) for m, s in zip(mean_ranks, got["steps"])]
-        balanced = expected_epoch_seconds(evened[name], noise)
+        balanced = expected_epoch_seconds([[m] * len(s["rank_s"]) for m, s in zip(mean_ranks, got["steps"])], noise)
         rows[name] = {"predicted_s": predicted["total_s"], "exact_s": predicted["exact_s"],
                       "measured_s": compute, "error": predicted["total_s"] / compute - 1.0, "balanced_s": balanced,
                       "predicted_bound": predicted["removable_imbalance"],
@@ -288,22 +269,16 @@ def check_against_emulation(args: argparse.Namespace) -> dict:
         controller.cost_model.load_state_dict(states[name]["cost_model"])
         replayed = fit_on_others(controller.cost_model, measured, name)
         if replayed:
-            held_out = predict()[0]["total_s"]
+            held_out = predict()["total_s"]
             rows[name].update(held_out_s=held_out, held_out_error=held_out / compute - 1.0, replayed_rounds=replayed)
         print(f"  {name}: predicted {predicted['total_s']:.1f} s, measured {compute:.1f} s "
               f"({rows[name]['error']:+.1%}; fitted on the other variants: "
               f"{rows[name].get('held_out_error', math.nan):+.1%})", flush=True)
-    # the epoch's own strays about the predictions, every variant's (one machine): where the machine's speed
-    # jumped during the epoch, the calibration steps' spread understates what a balanced plan still loses
-    epoch_strays = np.concatenate(strays)
-    for name, row in rows.items():
-        row["balanced_epoch_s"] = expected_epoch_seconds(evened[name], 0.0, strays=epoch_strays)
     if BASELINE in rows:  # the speed-up over the baseline that balancing each variant's own work would give
         for row in rows.values():
             row["noise_ceiling"] = rows[BASELINE]["measured_s"] / row["balanced_s"]
-            row["epoch_noise_ceiling"] = rows[BASELINE]["measured_s"] / row["balanced_epoch_s"]
     return {"kind": "simulation checked against emulation", "emulated": str(args.emulated), "rank_noise": noise,
-            "epoch_rank_noise": rank_noise([epoch_strays]), "rows": rows}
+            "rows": rows}
 
 
 def fit_on_others(cost_model: CostModel, measured: dict, name: str) -> int:
@@ -328,24 +303,18 @@ def check_table(result: dict) -> str:
         "the others: the same prediction after the cost model learned every micro-batch the other variants "
         "measured in their epochs (never this variant's). Balanced: the variant's measured rank-seconds shared "
         "evenly in every step, the ranks straying as predicted (no planner can beat it in expectation); noise "
-        f"ceiling: `{BASELINE}`'s measured time over that balanced time. At the epoch's strays: the same, each "
-        "rank straying by a draw from the epoch's own measured strays about the predictions (every variant's, "
-        f"each about its step's mean; robust spread {result['epoch_rank_noise']:.3f}), which holds the jumps of "
-        "the machine's speed during the epoch that the calibration steps' spread misses; the ceiling of any "
-        "planner working from these predictions.",
+        f"ceiling: `{BASELINE}`'s measured time over that balanced time.",
         "",
         "| variant | exact s | predicted s | measured s | error | fitted on the others s | error | "
-        "predicted bound | measured bound | balanced s | noise ceiling | balanced at the epoch's strays s | "
-        "its ceiling |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "predicted bound | measured bound | balanced s | noise ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in result["rows"].items():
         held_out = (f"{r['held_out_s']:.1f} | {r['held_out_error']:+.1%}" if "held_out_s" in r else "- | -")
-        ceilings = [f"{r[key]:.3f}x" if key in r else "-" for key in ("noise_ceiling", "epoch_noise_ceiling")]
         lines.append(f"| {name} | {r['exact_s']:.1f} | {r['predicted_s']:.1f} "
                      f"| {r['measured_s']:.1f} | {r['error']:+.1%} | {held_out} | {r['predicted_bound']:.3f} "
-                     f"| {r['measured_bound']:.3f} | {r['balanced_s']:.1f} | {ceilings[0]} "
-                     f"| {r['balanced_epoch_s']:.1f} | {ceilings[1]} |")
+                     f"| {r['measured_bound']:.3f} | {r['balanced_s']:.1f} | "
+                     + (f"{r['noise_ceiling']:.3f}x |" if "noise_ceiling" in r else "- |"))
     return "\n".join(lines) + "\n"
 
 

@@ -42,7 +42,7 @@ from sparsebalance_pl.errors import ConfigError
 
 
 class RecallSlope:
-    """Recall per unit of density where DST moves a budget, learned from the moves themselves.
+    """Recall per unit of density where DST moves a budget, learned from its moves and from probe moves.
 
     A moved rank reports its density and recall both at the budget it used and at the base budget, from the
     same ranking of its blocks (``SparsityReport.moved``: the exact recall on the same sampled rows where the
@@ -66,7 +66,8 @@ class RecallSlope:
         self.moments = np.zeros((2, 2))  # rows: cuts, raises; columns: density moved, recall it cost or bought
 
     def update(self, moves: Sequence[tuple[float, float]]) -> None:
-        """Learn from one step's moved ranks: each rank's (density, recall) minus its base budget's."""
+        """Learn from one step's moves (DST's and the price probes'): each one's (density, recall) minus its
+        base budget's."""
         step = np.zeros((2, 2))
         for density, recall in moves:
             if abs(density) >= self.MIN_MOVE:
@@ -155,6 +156,7 @@ class DSTController:
         self.cost_model = cost_model
         self.base_budgets = [replace(b) for b in base_budgets]
         self.anchor, self.p, self.min_density, self.recall_tolerance = anchor, p, min_density, recall_tolerance
+        self.raises_to_dense = raises_to_dense(self.base_budgets, p)
         self.recall_slope = RecallSlope()
         self.shifts: list[float | None] = []
         self.budgets: list[list[LayerBudget]] = []  # every rank's, as last decided
@@ -195,8 +197,8 @@ class DSTController:
 
     def _views(self, models: Sequence[LatencyModel], lengths: Sequence[Sequence[int]]) -> list[Outlook]:
         density = self.cost_model.document_density
-        dense = raises_to_dense(self.base_budgets, self.p)
-        return [outlook(model, ls, density(ls), self.p, self.min_density, dense) for model, ls in zip(models, lengths)]
+        return [outlook(model, ls, density(ls), self.p, self.min_density, self.raises_to_dense)
+                for model, ls in zip(models, lengths)]
 
     def _targets(self, views: Sequence[Outlook], anchor: float, margin: float) -> list[float]:
         """Each rank's target time: its base time inside the deadband or with p = 0, else its ``target_time``

@@ -145,9 +145,9 @@ class AttentionContext:
     timed region (costs rows x T per head; not under context parallelism, where a rank lacks the other
     ranks' keys), at the budget in use and, on the same rows, at the base budget and at its ``price_probes``
     (``base_selections`` holds the layer's base ``SelectionStats`` from the selection until then, so their masks
-    are built outside the timed region). ``context_parallel``: the group sharing the stream, whose ranks must hold equal budgets; its
-    ``masks`` then hold only this rank's striped rows, and ``ring_timer`` times the ring's waits (a part of
-    ``timer``'s time).
+    are built outside the timed region). ``context_parallel``: the group sharing the stream, whose ranks must
+    hold equal budgets; its ``masks`` then hold only this rank's striped rows, and ``ring_timer`` times the
+    ring's waits (a part of ``timer``'s time).
     """
 
     cu_seqlens: torch.Tensor

@@ -126,7 +126,6 @@ def test_end_to_end_benchmark_emulates_ranks_and_writes_every_step(tmp_path):
         # mean rank, at most what 3 such ranks' factors add up to (E[max] <= 3 E[factor] = 3 exp(noise^2 / 2))
         mean_ranks = sum(sum(step["rank_s"]) / 3 for step in results["variants"][name]["steps"])
         assert 0.99 * mean_ranks <= row["balanced_s"] <= 3 * math.exp(checked["rank_noise"] ** 2 / 2) * mean_ranks
-        assert row["balanced_epoch_s"] >= 0.99 * mean_ranks  # the epoch's own strays, drawn
         static = sum(max(step["rank_s"]) for step in results["variants"]["static"]["steps"])
         assert row["noise_ceiling"] == pytest.approx(static / row["balanced_s"])
         other = "static" if name == BALANCED else BALANCED  # fitted on the other's every round

@@ -2,7 +2,6 @@
 times predicted by the cost model."""
 
 import json
-import math
 import sys
 
 import numpy as np
@@ -70,20 +69,6 @@ def test_noisy_ranks_lengthen_balanced_steps_more_than_a_straggler_led_one():
     assert simulate.expected_epoch_seconds([[1.0] * 64], 0.1) > noisy  # more ranks, a worse slowest
     assert simulate.expected_epoch_seconds(straggler, 0.1) / 3.0 < noisy - 0.05
     assert simulate.summary(balanced, 100, 0.1)["exact_s"] == 1.0
-
-
-def test_strays_drawn_from_a_machine_whose_speed_jumps_lengthen_balanced_steps_more_than_their_spread_says():
-    """A machine that runs a quarter of the ranks 50% slower: the robust spread of its strays is small, but the
-    slowest of 32 such ranks is almost always a slow one; drawing from the strays themselves says so."""
-    predicted = [[1.0] * 32] * 40
-    measured = [[1.5 if (rank + step) % 4 == 0 else 1.0 for rank in range(32)] for step in range(40)]
-    strays = simulate.centred_strays(measured, predicted)
-    assert strays.shape == (32 * 40,) and abs(strays.mean()) < 1e-12  # each step about its own mean
-    assert simulate.centred_strays([[2.0, 2.0]], [[1.0, 1.0]]).tolist() == [0.0, 0.0]  # a shift all ranks share
-    balanced = [[1.0] * 32]
-    drawn = simulate.expected_epoch_seconds(balanced, 0.0, strays=strays)
-    assert drawn == pytest.approx(1.5 / math.exp(math.log(1.5) / 4), rel=0.01)  # the slow mode over the mean's
-    assert drawn > simulate.expected_epoch_seconds(balanced, simulate.rank_noise(strays.reshape(40, 32).tolist()))
 
 
 def test_the_simulated_error_settles_to_the_ranks_noise_and_dst_then_acts():
