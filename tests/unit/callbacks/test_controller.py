@@ -149,7 +149,8 @@ def test_price_probes_teach_the_prices_in_steps_where_no_rank_moved():
     and raise of its base budget still price density, so the first move is not priced by the prior."""
     controller = DSTController(_cost(0.05), BASE, p=0.1, anchor="adaptive", recall_tolerance=0.0)
     unmoved = SparsityReport([0.3] * 4, [0.9] * 4, [0.3], 0.1, recall=0.9, base_density=[0.3] * 4,
-                             base_estimated_recall=[0.9] * 4, base_recall=0.9, probe_moves=[(-0.09, -0.027), (0.3, 0.04)])
+                             base_estimated_recall=[0.9] * 4, base_recall=0.9,
+                             probe_moves=[(-0.09, -0.027), (0.3, 0.04)])
     for _ in range(40):
         controller.learn(StepObservation([StepRecord([1024], unmoved)] * 4, TIMES, TIMES))
     cut, raised = controller.recall_slope.slopes
