@@ -61,7 +61,8 @@ def attention_recall(
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
         # [M, Hq, R]: each mask's kept mass of every row
         captured.append(torch.stack([(probs * pair_mask(doc, chunk, block_size, m)).sum(dim=-1) for m in masks]))
-    recall = (torch.cat(captured, dim=-1) * weights).sum(dim=-1) / weights.sum()  # [M, Hq]
+    # [M, Hq]; a share of the mass, so rounding in the sums must not carry it past 1
+    recall = ((torch.cat(captured, dim=-1) * weights).sum(dim=-1) / weights.sum()).clamp(max=1.0)
     recall = recall if per_head else recall.mean(dim=-1)
     return recall if stacked else recall[0]
 

@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 
 from sparsebalance_pl.context_parallel import ContextParallel
 from sparsebalance_pl.errors import ConfigError
-from sparsebalance_pl.kernels.selection import SELECTION_OPTIONS, LayerBudget, SelectionStats, selection_options
+from sparsebalance_pl.kernels.selection import SELECTION_OPTIONS, BudgetedSelection, LayerBudget, selection_options
 from sparsebalance_pl.timing import AttentionTimer
 
 ATTN_IMPLEMENTATION = "sparsebalance"
@@ -144,8 +144,8 @@ class AttentionContext:
     ``recall_rows`` > 0 each layer's exact recall is measured on about that many sampled query rows, outside the
     timed region (costs rows x T per head; not under context parallelism, where a rank lacks the other
     ranks' keys), at the budget in use and, on the same rows, at the base budget and at its ``price_probes``
-    (``base_selections`` holds the layer's base ``SelectionStats`` from the selection until then, so their masks
-    are built outside the timed region). ``context_parallel``: the group sharing the stream, whose ranks must
+    (``selections`` holds the layer's selection from the selection until then, so the other masks are built
+    outside the timed region). ``context_parallel``: the group sharing the stream, whose ranks must
     hold equal budgets; its ``masks`` then hold only this rank's striped rows, and ``ring_timer`` times the
     ring's waits (a part of ``timer``'s time).
     """
@@ -159,7 +159,7 @@ class AttentionContext:
     recall_rows: int = 0
     context_parallel: ContextParallel = field(default_factory=ContextParallel)
     masks: dict[int, torch.Tensor] = field(default_factory=dict)
-    base_selections: dict[int, SelectionStats] = field(default_factory=dict)
+    selections: dict[int, BudgetedSelection] = field(default_factory=dict)
     stats: dict[int, LayerStats] = field(default_factory=dict)
 
     @property
@@ -242,7 +242,7 @@ def _sparse_attention(
             selection = select_with_budget(q.detach(), k.detach(), ctx.cu_seqlens, ctx.budgets[layer], base, **settings)
         mask = selection.mask
         if ctx.measures_recall:  # the base budget and its price probes are measured beside the budget in use
-            ctx.base_selections[layer] = selection.base_stats
+            ctx.selections[layer] = selection
         if cp.active:  # the ring reads only this rank's rows: keep W times less for the recomputation
             mask = mask[:, striped_blocks(mask.shape[1], cp.size, cp.rank, mask.device)]
         ctx.masks[layer] = mask
@@ -300,7 +300,8 @@ def sparsebalance_attention(
 #: Share of the base budget's tiles that the price probes keep: a straggler's cut (the least estimated mass
 #: across the layer goes first) and a fast rank's raise with every candidate allowed (tau 1, as DST raises where
 #: tau0 + p >= 1; where it is lower the probe prices a raise more freely than DST makes it). Sizes of DST's
-#: moves in the deferred step of 32 emulated ranks: cuts to 55-72% of the base tiles, raises to 1.1-3x.
+#: moves in the deferred step of 32 emulated ranks, on average: cuts to 52-65% of the base density, raises to
+#: 1.8-2.3x (docs/RESULTS.md, tenth pass).
 PROBE_CUT, PROBE_RAISE = 0.7, 2.0
 
 
@@ -315,15 +316,17 @@ def _measure_recall(q, k, layer: int, ctx: AttentionContext, stats: LayerStats, 
     (one softmax)."""
     from sparsebalance_pl.kernels import attention_recall
 
-    base = ctx.base_selections.pop(layer)
+    selection = ctx.selections.pop(layer)
+    base = selection.base_stats
+    own = base is selection.stats  # the budget in use is the base one: its mask is measured once
     probes = [base.under(budget) for budget in price_probes((ctx.base_budgets or ctx.budgets)[layer])]
-    masks = torch.stack([ctx.masks[layer], base.mask(), *(probe.mask() for probe in probes)])
-    recall = attention_recall(q.detach(), k.detach(), masks, ctx.cu_seqlens, block_size=ctx.config.block_size,
-                              scale=scale, num_rows=ctx.recall_rows)
-    stats.recall, stats.base_recall = recall[0], recall[1]
-    base_density = base.mean_density()
-    stats.probe_moves = torch.stack([torch.stack([probe.mean_density() - base_density, probe_recall - recall[1]])
-                                     for probe, probe_recall in zip(probes, recall[2:])])
+    masks = [selection.mask] + ([] if own else [base.mask()]) + [probe.mask() for probe in probes]
+    recall = attention_recall(q.detach(), k.detach(), torch.stack(masks), ctx.cu_seqlens,
+                              block_size=ctx.config.block_size, scale=scale, num_rows=ctx.recall_rows)
+    stats.recall, stats.base_recall = recall[0], recall[0 if own else 1]
+    moves = [(probe.mean_density() - base.mean_density(), probe_recall - stats.base_recall)
+             for probe, probe_recall in zip(probes, recall[len(masks) - len(probes):])]
+    stats.probe_moves = torch.stack([torch.stack(move) for move in moves])
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, sparsebalance_attention)

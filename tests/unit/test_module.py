@@ -96,7 +96,7 @@ def test_the_report_prices_a_moved_budget_against_the_base_one(recall_rows):
         static.estimated_recall, abs=1e-4)
     density, recall = cut.moved()
     assert density < 0 and recall < 0
-    assert not module.last_context.base_selections  # each layer's base was measured and let go
+    assert not module.last_context.selections  # each layer's selection was measured and let go
     if recall_rows:
         # (a layer after a moved one sees that layer's other output, so the base figures agree only closely)
         assert static.base_recall == static.recall and cut.base_recall == pytest.approx(static.recall, abs=1e-3)

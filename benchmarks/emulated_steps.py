@@ -1,0 +1,116 @@
+"""Every step of an emulated run (``benchmarks/end_to_end.py --ranks N --out DIR``), read off its results.json:
+the step's time and its ranks' spread, token-weighted exact recall, and what DST's moves did there.
+
+Per step: the slowest and the mean rank's seconds, the step's recall, and the ranks DST cut and raised (a rank
+counts as moved where its mean density differs from its base budget's by ``MIN_MOVE`` or more), each group with
+its mean density against the base budget's, its mean exact recall (and the base budget's, where the run
+measured it on the same rows: the price of the group's move is their difference per unit of density) and its
+estimated recall against the base budget's. Packs of one document of the run's longest length, at their base
+budget, are summed up per variant too, with what the price probes measured on them where the run had them::
+
+    python benchmarks/emulated_steps.py outputs/e2e_32f_probes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+#: As the adaptive anchor's prices (``RecallSlope.MIN_MOVE``): smaller differences are rounding of kept tiles.
+MIN_MOVE = 1e-3
+
+
+def _mean(values) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
+def _density(report: dict, key: str = "density") -> float:
+    return _mean(report[key])
+
+
+def _moved(report: dict) -> float:
+    """Mean density minus the base budget's; 0 for a report without base figures (a run before they existed)."""
+    return _density(report) - _density(report, "base_density") if report.get("base_density") else 0.0
+
+
+def group(reports: list[dict]) -> dict:
+    """Count, mean density, base density, exact recall, base exact recall (None where not measured) and the
+    exact price per unit of density of a group of ranks' reports."""
+    base_recall = [r["base_recall"] for r in reports if r.get("base_recall") is not None]
+    probes = [r["probe_moves"] for r in reports if r.get("probe_moves")]
+    summary = {"ranks": len(reports), "density": _mean([_density(r) for r in reports]),
+               "base_density": _mean([_density(r, "base_density") for r in reports if r.get("base_density")]),
+               "recall": _mean([r["recall"] for r in reports]), "base_recall": None, "price": None,
+               "estimated_recall": _mean([_density(r, "estimated_recall") for r in reports]),
+               "base_estimated_recall": _mean([_density(r, "base_estimated_recall") for r in reports
+                                               if r.get("base_estimated_recall")]),
+               # the price probes' (cut, raise) exact recall per unit of density, over the group's ranks
+               "probe_prices": [sum(p[i][1] for p in probes) / sum(p[i][0] for p in probes) for i in (0, 1)]
+               if probes else None}
+    if reports and len(base_recall) == len(reports):
+        summary["base_recall"] = _mean(base_recall)
+        moved = summary["density"] - summary["base_density"]
+        if abs(moved) >= MIN_MOVE:
+            summary["price"] = (summary["recall"] - summary["base_recall"]) / moved
+    return summary
+
+
+def step_rows(variant: dict) -> list[dict]:
+    rows = []
+    for i, step in enumerate(variant["steps"]):
+        records = [record for round_ in step["rounds"] for record in round_["records"]]
+        tokens = [sum(record["lengths"]) for record in records]
+        reports = [record["report"] for record in records]
+        rows.append({
+            "step": i, "step_s": step["step_s"], "max_s": max(step["rank_s"]), "mean_s": _mean(step["rank_s"]),
+            "recall": sum(t * r["recall"] for t, r in zip(tokens, reports)) / sum(tokens),
+            "longest": max(max(record["lengths"]) for record in records),
+            "cut": group([r for r in reports if _moved(r) <= -MIN_MOVE]),
+            "raised": group([r for r in reports if _moved(r) >= MIN_MOVE]),
+        })
+    return rows
+
+
+def longest_alone(variant: dict, longest: int) -> dict:
+    """The packs of one document of ``longest`` tokens at their base budget, over the whole run."""
+    return group([record["report"] for step in variant["steps"] for round_ in step["rounds"]
+                  for record in round_["records"]
+                  if record["lengths"] == [longest] and abs(_moved(record["report"])) < MIN_MOVE])
+
+
+def _group_cell(g: dict) -> str:
+    if not g["ranks"]:
+        return "-"
+    base = "" if g["price"] is None else f" (base {g['base_recall']:.4f}, price {g['price']:.3f})"
+    return (f"{g['ranks']}: {g['base_density']:.3f} -> {g['density']:.3f}, recall {g['recall']:.4f}{base}, "
+            f"estimated {g['base_estimated_recall']:.4f} -> {g['estimated_recall']:.4f}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", type=Path, help="an emulated run's --out folder (its results.json)")
+    args = parser.parse_args(argv)
+    variants = json.loads((args.run / "results.json").read_text())["variants"]
+    longest = max(max(record["lengths"]) for variant in variants.values() for step in variant["steps"]
+                  for round_ in step["rounds"] for record in round_["records"])
+    for name, variant in variants.items():
+        print(f"## {name}\n\n| step | step s | slowest / mean rank | recall | longest | cut | raised |\n"
+              "|---|---|---|---|---|---|---|")
+        for row in step_rows(variant):
+            print(f"| {row['step']} | {row['step_s']:.2f} | {row['max_s'] / row['mean_s']:.3f} | {row['recall']:.4f} "
+                  f"| {row['longest']} | {_group_cell(row['cut'])} | {_group_cell(row['raised'])} |")
+        alone = longest_alone(variant, longest)
+        if alone["ranks"]:
+            probes = "" if alone["probe_prices"] is None else (
+                ", the price probes' exact recall per unit of density: cut {:.3f}, raise {:.3f}"
+                .format(*alone["probe_prices"]))
+            print(f"\nPacks of one {longest}-token document at the base budget: {alone['ranks']}, density "
+                  f"{alone['density']:.3f}, exact recall {alone['recall']:.4f}, estimated "
+                  f"{alone['estimated_recall']:.4f}{probes}")
+        print()
+
+
+if __name__ == "__main__":
+    main()
