@@ -18,7 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
-#: As the adaptive anchor's prices (``RecallSlope.MIN_MOVE``): smaller differences are rounding of kept tiles.
+#: As the adaptive anchor's prices (``RecallPrices.MIN_MOVE``): smaller differences are rounding of kept tiles.
 MIN_MOVE = 1e-3
 
 

@@ -108,37 +108,38 @@ def target_time(view: Outlook, anchor: float, margin: float = 0.0) -> float:
 
 
 def recall_drop(
-    outlooks: Sequence[Outlook], anchor: float, slopes: tuple[float, float], margin: float = 0.0
+    outlooks: Sequence[Outlook], anchor: float, prices: Sequence[tuple[float, float]], margin: float = 0.0
 ) -> float:
     """Predicted token-weighted loss of recall against the base budget once every rank moved toward ``anchor``
-    (fast ranks to ``target_time``); ``slopes``: recall lost per unit of density cut and gained per unit
-    raised (``RecallSlope.slopes``)."""
+    (fast ranks to ``target_time``); ``prices``: per rank, the recall its documents lose per unit of density cut
+    and gain per unit raised (``RecallPrices.prices``)."""
     tokens = np.array([o.tokens for o in outlooks])
     change = np.array([o.density_at(target_time(o, anchor, margin)) - o.density for o in outlooks])
-    cut, raised = slopes
+    cut, raised = np.asarray(prices, dtype=np.float64).T
     gained = cut * np.minimum(change, 0.0) + raised * np.maximum(change, 0.0)
     return float(-(tokens * gained).sum() / max(tokens.sum(), 1.0))
 
 
 def adaptive_anchor(
-    outlooks: Sequence[Outlook], slopes: tuple[float, float], tolerance: float, margin: float = 0.0
+    outlooks: Sequence[Outlook], prices: Sequence[tuple[float, float]], tolerance: float, margin: float = 0.0
 ) -> float:
     """The lowest anchor, between the fastest and the slowest rank's base time, whose predicted recall loss is
     within ``tolerance`` (fast ranks aiming at ``target_time`` with ``margin``).
 
     The step lasts as long as the slowest rank; a lower anchor shortens it but makes stragglers sparser and
-    fast ranks less dense. ``slopes`` (recall lost per unit of density cut, gained per unit raised, both at
-    least 0, learned from DST's own moves) say what that costs. The predicted loss falls as the anchor rises and
-    is at most 0 at the slowest base time (no rank gets sparser), so bisection finds the lowest anchor within the
-    allowance; where a cut costs no recall, recall does not favour a higher anchor, and it is the fastest.
+    fast ranks less dense. ``prices`` (per rank, recall lost per unit of density cut and gained per unit raised,
+    both at least 0, as measured on documents of its lengths) say what that costs. The predicted loss falls as
+    the anchor rises and is at most 0 at the slowest base time (no rank gets sparser), so bisection finds the
+    lowest anchor within the allowance; where no cut costs recall, recall does not favour a higher anchor, and
+    it is the fastest.
     """
     base = [o.base for o in outlooks]
     low, high = min(base), max(base)
-    if slopes[0] <= 0 or recall_drop(outlooks, low, slopes, margin) <= tolerance:
+    if max(cut for cut, _ in prices) <= 0 or recall_drop(outlooks, low, prices, margin) <= tolerance:
         return low
     while high - low > 1e-6 * high:
         middle = 0.5 * (low + high)
-        if recall_drop(outlooks, middle, slopes, margin) <= tolerance:
+        if recall_drop(outlooks, middle, prices, margin) <= tolerance:
             high = middle
         else:
             low = middle

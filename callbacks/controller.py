@@ -6,11 +6,11 @@ prior, a new module) each rank moves only part of the way toward the anchor (the
 stops short of the anchor by that error (the margin), since overshooting it would make it the straggler.
 
 ``DSTController.plan`` takes every rank's documents for the coming micro-batch and returns every rank's
-budgets; ``learn`` takes what the step did (the ``StepObservation`` the cost model made of it). Given the same
-inputs in the same order it decides the same on every rank. So the ``DynamicSparsityTuning`` callback needs
-one exchange of document lengths per step and no other, and an emulation of N ranks in one process calls the
-very same rule (``benchmarks/end_to_end.py``). The rule itself is ``callbacks.budget``; the predictions come
-from the run's ``CostModel``.
+budgets. Given the same inputs and the same cost model state it decides the same on every rank. So the
+``DynamicSparsityTuning`` callback needs one exchange of document lengths per step and no other, and an
+emulation of N ranks in one process calls the very same rule (``benchmarks/end_to_end.py``). The rule itself is
+``callbacks.budget``; the predictions, and the recall prices of the adaptive anchor, come from the run's
+``CostModel``, which learns them from every step.
 """
 
 from __future__ import annotations
@@ -36,58 +36,9 @@ from sparsebalance_pl.callbacks.budget import (
     reachable_anchor,
     target_time,
 )
-from sparsebalance_pl.cost import CostModel, LatencyModel, StepObservation
+from sparsebalance_pl.cost import CostModel, LatencyModel
 from sparsebalance_pl.cost.model import timed_seconds
 from sparsebalance_pl.errors import ConfigError
-
-
-class RecallSlope:
-    """Recall per unit of density where DST moves a budget, learned from its moves and from probe moves.
-
-    A moved rank reports its density and recall both at the budget it used and at the base budget, from the
-    same ranking of its blocks (``SparsityReport.moved``: the exact recall on the same sampled rows where the
-    module measures it, else the selection's estimate), so their changes price density for exactly those
-    documents. Where recall is measured every rank also reports a probe cut and a probe raise of its base
-    budget on every step (``SparsityReport.probe_moves``), so the prices are learned before DST's first move:
-    DST moves in few steps where SAB balanced the packs (one or two of seven at 32 ranks), and the prior would
-    price those. Cuts and raises are priced apart: a straggler's cut drops the blocks of least mass across
-    its layer, a fast rank's raise adds the next blocks of its rows, and where attention is sharp the two
-    prices differ. (A fit across ranks cannot price it: ranks hold different documents, and packs that SAB
-    balanced barely differ in density, which left such a fit at its prior.) Exponentially weighted ratios,
-    shrunk toward ``prior`` by ``prior_weight`` units of density moved; 1.0, recall following density as in the
-    near-uniform regime, is the cautious prior.
-    """
-
-    #: Moves smaller than this (in density) teach nothing: rounding of the kept tiles, not a budget's change.
-    MIN_MOVE = 1e-3
-
-    def __init__(self, prior: float = 1.0, decay: float = 0.95, prior_weight: float = 0.05) -> None:
-        self.prior, self.decay, self.prior_weight = prior, decay, prior_weight
-        self.moments = np.zeros((2, 2))  # rows: cuts, raises; columns: density moved, recall it cost or bought
-
-    def update(self, moves: Sequence[tuple[float, float]]) -> None:
-        """Learn from one step's moves (DST's and the price probes'): each one's (density, recall) minus its
-        base budget's."""
-        step = np.zeros((2, 2))
-        for density, recall in moves:
-            if abs(density) >= self.MIN_MOVE:
-                step[int(density > 0)] += [abs(density), recall * np.sign(density)]
-        self.moments = self.decay * self.moments + step
-
-    @property
-    def slopes(self) -> tuple[float, float]:
-        """(recall lost per unit of density cut, recall gained per unit raised), each at least 0."""
-        moved, priced = self.moments[:, 0], self.moments[:, 1]
-        cut, raised = np.maximum((priced + self.prior * self.prior_weight) / (moved + self.prior_weight), 0.0)
-        return float(cut), float(raised)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"moments": self.moments.tolist()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        moments = np.asarray(state["moments"], dtype=np.float64)
-        # a checkpoint of the earlier fit across ranks (5 moments) starts again from the prior: a few steps relearn it
-        self.moments = moments if moments.shape == (2, 2) else np.zeros((2, 2))
 
 
 @dataclass(frozen=True)
@@ -101,7 +52,7 @@ class Decision:
         predicted: per rank, predicted whole-step seconds at the chosen budgets.
         anchor_drift: the anchor's move since the previous decision, on the previous step's documents (the
             anchor the controller now gives them over the one decided then; None at the first step): what
-            learning moved (calibration, and the adaptive anchor's recall slope), apart from the change of
+            learning moved (calibration, and the adaptive anchor's recall prices), apart from the change of
             workload between steps.
     """
 
@@ -130,9 +81,9 @@ class DSTController:
         base_budgets: the configured per-layer budgets, which tuning moves away from.
         anchor: ``mean``, ``median``, ``min``, ``max`` of the ranks' predicted times at the base budget, or
             ``adaptive``: the lowest time between min and max whose predicted token-weighted recall loss, from
-            the recall that DST's cuts and raises of density have cost and bought so far (``RecallSlope``),
-            stays within ``recall_tolerance``. Any anchor is raised to the longest time a rank takes at its
-            sparsest (``reachable_anchor``).
+            what cuts and raises of density cost and bought in recall on documents of each rank's lengths (the
+            cost model's ``RecallPrices``), stays within ``recall_tolerance``. Any anchor is raised to the
+            longest time a rank takes at its sparsest (``reachable_anchor``).
         p: largest move of tau away from the base budget, in [0, 1]; 0 keeps the base budgets (the static
             baseline). The kept tiles scale with the cost model so that no rank passes the anchor time
             (``callbacks.budget``).
@@ -157,7 +108,6 @@ class DSTController:
         self.base_budgets = [replace(b) for b in base_budgets]
         self.anchor, self.p, self.min_density, self.recall_tolerance = anchor, p, min_density, recall_tolerance
         self.raises_to_dense = raises_to_dense(self.base_budgets, p)
-        self.recall_slope = RecallSlope()
         self.shifts: list[float | None] = []
         self.budgets: list[list[LayerBudget]] = []  # every rank's, as last decided
         self.last: Decision | None = None
@@ -177,11 +127,12 @@ class DSTController:
         # the cost model's error on the timed part (attention, selection), which is this share of a step at most
         timed = [timed_seconds(model, ls, v.density) / v.base for model, ls, v in zip(models, lengths, views)]
         margin = self.cost_model.error * max(timed)
-        anchor = self._anchor(views, margin)
+        anchor = self._anchor(views, lengths, margin)
         drift = None
         if self.last is not None and len(self.last_lengths) == len(lengths) and self.last.anchor > 0:
             last_models = [self.cost_model.for_rank(r, share) for r, share in enumerate(self.last_shares)]
-            drift = self._anchor(self._views(last_models, self.last_lengths), margin) / self.last.anchor
+            last_views = self._views(last_models, self.last_lengths)
+            drift = self._anchor(last_views, self.last_lengths, margin) / self.last.anchor
         base = [v.base for v in views]
         targets = self._targets(views, anchor, margin)
         ranks = [
@@ -214,30 +165,22 @@ class DSTController:
         goals = np.array([target_time(v, anchor, margin) for v in views])
         return (base + c * (goals - base)).tolist()
 
-    def _anchor(self, views: Sequence[Outlook], margin: float) -> float:
+    def _anchor(self, views: Sequence[Outlook], lengths: Sequence[Sequence[int]], margin: float) -> float:
         if self.anchor == "adaptive":
-            anchor = adaptive_anchor(views, self.recall_slope.slopes, self.recall_tolerance, margin)
+            prices = [self.cost_model.recall_prices.prices(ls) for ls in lengths]
+            anchor = adaptive_anchor(views, prices, self.recall_tolerance, margin)
         else:
             anchor = anchor_time([v.base for v in views], self.anchor)
         return reachable_anchor(views, anchor)
 
-    def learn(self, observation: StepObservation) -> None:
-        """What the step did: the recall each rank's move of density cost or bought, and its price probes' (for
-        the adaptive anchor)."""
-        moves = []
-        for record in observation.records:
-            if (move := record.report.moved()) is not None:
-                moves.append(move)
-            moves.extend(record.report.probe_moves or ())
-        self.recall_slope.update(moves)
-
     def state_dict(self) -> dict[str, Any]:
         budgets = [[[b.tau, b.max_density, b.density_scale] for b in rank] for rank in self.budgets]
-        return {"recall_slope": self.recall_slope.state_dict(), "shifts": list(self.shifts), "budgets": budgets}
+        return {"shifts": list(self.shifts), "budgets": budgets}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> list[list[LayerBudget]]:
-        """Restore; returns every rank's budgets of the last step before the checkpoint (empty if none)."""
-        self.recall_slope.load_state_dict(state["recall_slope"])
+        """Restore; returns every rank's budgets of the last step before the checkpoint (empty if none). (A
+        checkpoint's ``recall_slope``, one price for every length from before the cost model priced recall by
+        length, is left out: the cost model learns prices again from the first step.)"""
         self.shifts = list(state["shifts"])
         self.budgets = [
             [LayerBudget(*(None if x is None else float(x) for x in row)) for row in rank] for rank in state["budgets"]

@@ -2,9 +2,9 @@
 
 Before each training micro-batch every rank shares its documents' lengths (one all-gather of a few integers),
 and every rank runs the same controller on all of them: it picks the anchor and every rank's budgets, and
-each rank applies its own. After the step the callback hands the controller what the run's ``CostModel``
-learned from it (the module calibrates the cost model after its backward; ``callbacks.protocol``) and logs
-the predicted and measured balance. The controller's state is identical on every rank, so the checkpoint
+each rank applies its own. After the step the callback logs the predicted and measured balance from what the
+run's ``CostModel`` learned of it (the module calibrates the cost model after its backward, and the controller
+predicts with it; ``callbacks.protocol``). The controller's state is identical on every rank, so the checkpoint
 written by rank 0 resumes every rank. Nothing communicates inside the layers.
 """
 
@@ -45,9 +45,8 @@ class DynamicSparsityTuning(Callback):
     the fastest and the slowest rank's predicted base time, 0 to 1), ``dst/anchor_drift`` (its move since the
     previous step on that step's documents: what learning moved, apart from the workload),
     ``dst/recall_per_density_cut`` and ``dst/recall_per_density_raised`` (the adaptive anchor's learned prices
-    of density, ``RecallSlope``), ``dst/prediction_error`` (the cost model's recent error, which sets the
-    deadband) and ``dst/confidence``
-    (the share of a move it allows), ``dst/predicted_imbalance_base`` and
+    of density on the documents of the rank predicted slowest, ``RecallPrices``), ``dst/prediction_error`` (the
+    cost model's recent error, which sets the deadband) and ``dst/confidence`` (the share of a move it allows), ``dst/predicted_imbalance_base`` and
     ``dst/predicted_imbalance`` (whole step, base and chosen budgets), ``dst/measured_imbalance`` (attention
     calls), and per rank ``dst/rank{r}/{predicted_base_s,predicted_s}`` (whole step),
     ``dst/rank{r}/{tau,max_density,density_scale,density,estimated_recall,recall,speed}`` and
@@ -123,7 +122,8 @@ class DynamicSparsityTuning(Callback):
         if decision.anchor_drift is not None:
             logs["dst/anchor_drift"] = decision.anchor_drift
         if self.controller.anchor == "adaptive":
-            cut, raised = self.controller.recall_slope.slopes
+            slowest_rank = int(np.argmax(decision.predicted_base))
+            cut, raised = self.cost_model.recall_prices.prices(gathered[slowest_rank][0])
             logs.update({"dst/recall_per_density_cut": cut, "dst/recall_per_density_raised": raised})
         fastest, slowest = min(decision.predicted_base), max(decision.predicted_base)
         if slowest > fastest:
@@ -147,7 +147,6 @@ class DynamicSparsityTuning(Callback):
                 )
             return
         self._seen = observation
-        self.controller.learn(observation)
         logs: dict[str, float] = {"dst/measured_imbalance": observation.measured_imbalance}
         for rank, (record, budget) in enumerate(zip(observation.records, self.controller.last.ranks)):
             report, first = record.report, budget.budgets[0]

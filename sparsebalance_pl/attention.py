@@ -301,8 +301,9 @@ def sparsebalance_attention(
 #: across the layer goes first) and a fast rank's raise with every candidate allowed (tau 1, as DST raises where
 #: tau0 + p >= 1; where it is lower the probe prices a raise more freely than DST makes it). Sizes of DST's
 #: moves in the deferred step of 32 emulated ranks, on average: cuts to 52-65% of the base density, raises to
-#: 1.8-2.3x (docs/RESULTS.md, tenth pass).
-PROBE_CUT, PROBE_RAISE = 0.7, 2.0
+#: 1.8-2.3x (docs/RESULTS.md, tenth pass). Recall is concave in density, so a unit cut costs more the deeper
+#: the cut: the cut probe sits at the deep end of DST's cuts (a probe at 70% underpriced them).
+PROBE_CUT, PROBE_RAISE = 0.55, 2.0
 
 
 def price_probes(base: LayerBudget) -> tuple[LayerBudget, LayerBudget]:

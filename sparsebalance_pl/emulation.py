@@ -161,10 +161,7 @@ class EmulatedRanks:
             round_losses.append(round_loss / max(round_tokens, 1))
             round_counts.append(round_tokens)
             # alone on the device, a rank's whole forward and backward is free of collectives: it teaches every term
-            observation = module.cost_model.observe(records, whole_seconds=round_seconds)
-            if self.controller is not None:
-                self.controller.learn(observation)
-            observations.append(observation)
+            observations.append(module.cost_model.observe(records, whole_seconds=round_seconds))
         loss = sum(r * n for r, n in zip(round_losses, round_counts)) / max(sum(round_counts), 1)
         optimizer_seconds = 0.0
         if not update:

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, AttentionContext
 from sparsebalance_pl.context_parallel import ContextParallel
-from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel, SparsityReport, observe_step
+from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel, SparsityReport, StepRecord, observe_step
 from sparsebalance_pl.cost.profiler import latency_model_for_run, training_dtype
 from sparsebalance_pl.datamodules.packing import collate_packed, stripe_packed
 from sparsebalance_pl.distributed import all_ranks, gather_floats, gather_objects
@@ -180,8 +180,11 @@ class SparseQwen(L.LightningModule):
         return LatencyModel.analytic(self.dims, block_size=cfg.block_size, stride=cfg.stride,
                                      selection=cfg.selection_options())
 
-    def attention_context(self, cu_seqlens: torch.Tensor, striped: bool = False) -> AttentionContext:
-        """The attention's state for one forward; ``striped``: the stream is shared by the context-parallel group."""
+    def attention_context(
+        self, cu_seqlens: torch.Tensor, striped: bool = False, measure_recall: bool = False
+    ) -> AttentionContext:
+        """The attention's state for one forward; ``striped``: the stream is shared by the context-parallel group;
+        recall is measured (``recall_rows``) in training, and outside it where ``measure_recall``."""
         cp = self.context_parallel if striped else ContextParallel()
         budgets = self.layer_budgets if self.training else self.base_budgets  # evaluate the model, not DST
         return AttentionContext(
@@ -191,7 +194,7 @@ class SparseQwen(L.LightningModule):
             base_budgets=self.base_budgets,
             timer=AttentionTimer(cu_seqlens.device),
             ring_timer=AttentionTimer(cu_seqlens.device) if cp.active else None,
-            recall_rows=self.attention_config.recall_rows if self.training else 0,
+            recall_rows=self.attention_config.recall_rows if self.training or measure_recall else 0,
             context_parallel=cp,
         )
 
@@ -247,9 +250,11 @@ class SparseQwen(L.LightningModule):
             probe_moves=ctx.mean_probe_moves(),
         )
 
-    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed loss and number of loss-bearing tokens of one packed micro-batch on this rank."""
-        ctx = self.attention_context(batch["cu_seqlens"], striped=batch.get("striped", False))
+    def forward(self, batch: dict, measure_recall: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed loss and number of loss-bearing tokens of one packed micro-batch on this rank (``measure_recall``:
+        outside training too)."""
+        ctx = self.attention_context(batch["cu_seqlens"], striped=batch.get("striped", False),
+                                     measure_recall=measure_recall)
         self.last_context = ctx
         return self.net(batch["input_ids"], batch["position_ids"], batch["targets"], ctx)
 
@@ -332,26 +337,29 @@ class SparseQwen(L.LightningModule):
     @torch.no_grad()
     def calibrate_density(self, batches: Sequence[dict]) -> None:
         """Forward passes over ``batches`` (the same list on every rank, shared out among the ranks) at the base
-        budget; every document's selected density, gathered in rank order, teaches the cost model's density
-        estimate identically on every rank (``DensityCalibration`` calls this before the first epoch)."""
+        budget; what attention did on each, gathered in rank order, teaches the cost model identically on every
+        rank: every document's selected density, and, where recall is measured (``recall_rows``), the recall
+        prices of each batch's lengths (``DensityCalibration`` calls this before the first epoch)."""
         world, rank = self.trainer.world_size, self.trainer.global_rank
         observed = []
         was_training = self.training
-        self.eval()  # base budgets, no recall sampling
+        self.eval()  # base budgets
         for i in range(rank, -(-len(batches) // world) * world, world):
             batch = batches[min(i, len(batches) - 1)]  # a rank short of work repeats one: forwards are collective
-            self(move_data_to_device(batch, self.device))
+            self(move_data_to_device(batch, self.device), measure_recall=True)
             if i < len(batches):
-                observed.append((self.document_lengths(batch), self.sparsity_report().base_document_density))
+                observed.append(StepRecord(self.document_lengths(batch), self.sparsity_report()))
         self.train(was_training)
         self.last_context = None
-        documents = [doc for part in gather_objects(observed) for ls, ds in part for doc in zip(ls, ds)]
-        if not documents:
+        records = [record for part in gather_objects(observed) for record in part]
+        if not records:
             return
-        self.cost_model.observe_densities([n for n, _ in documents], [d for _, d in documents])
+        self.cost_model.observe_attention(records)
+        lengths = [n for r in records for n in r.lengths]
+        densities = [d for r in records for d in r.report.base_document_density]
         rank_zero_info(
-            f"attention density calibrated on {len(documents)} documents of {min(n for n, _ in documents)}-"
-            f"{max(n for n, _ in documents)} tokens: mean {np.mean([d for _, d in documents]):.3f} at the base budget"
+            f"attention density calibrated on {len(lengths)} documents of {min(lengths)}-{max(lengths)} tokens: "
+            f"mean {np.mean(densities):.3f} at the base budget"
         )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -1,5 +1,5 @@
-"""The cost model: latency model, density estimator and rank speeds as one object with one owner, and the
-profiler that measures its latency table (``sparsebalance_pl.cost.profiler``)."""
+"""The cost model: latency model, density estimator, rank speeds and recall prices as one object with one owner,
+and the profiler that measures its latency table (``sparsebalance_pl.cost.profiler``)."""
 
 from sparsebalance_pl.cost.density import DensityEstimator
 from sparsebalance_pl.cost.latency import LatencyModel, LatencyTable, LatencyTableError
@@ -11,6 +11,7 @@ from sparsebalance_pl.cost.model import (
     StepRecord,
     observe_step,
 )
+from sparsebalance_pl.cost.recall import RecallPrices
 
 __all__ = [
     "TIMED_TERMS",
@@ -19,6 +20,7 @@ __all__ = [
     "LatencyModel",
     "LatencyTable",
     "LatencyTableError",
+    "RecallPrices",
     "SparsityReport",
     "StepObservation",
     "StepRecord",

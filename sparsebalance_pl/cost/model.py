@@ -10,7 +10,9 @@ those predictions come from:
 - per-rank speeds: how much slower or faster a rank's attention runs than predicted for the same work
   (another GPU model, a throttled or shared device);
 - the ring's communication (``RingCost``): what a rank of a context-parallel group waits for on the ring
-  beyond its own compute.
+  beyond its own compute;
+- recall prices (``RecallPrices``): what recall a move of density costs or buys, by the length of the documents,
+  which dynamic sparsity tuning's adaptive anchor weighs against time.
 
 It is built once per run and handed explicitly to whoever predicts with it (the data module's ``connect``, the
 DST callback's ``connect``). It learns from every training step: each rank's ``StepRecord`` (its documents,
@@ -32,6 +34,7 @@ import numpy as np
 from sparsebalance_pl.balance import imbalance
 from sparsebalance_pl.cost.density import DensityEstimator
 from sparsebalance_pl.cost.latency import TERMS, LatencyModel
+from sparsebalance_pl.cost.recall import RecallPrices
 from sparsebalance_pl.cost.ring import RingCost
 from sparsebalance_pl.distributed import gather_objects
 
@@ -110,6 +113,12 @@ class SparsityReport:
             return None
         return density, self.mean_estimated_recall - sum(self.base_estimated_recall) / len(self.base_estimated_recall)
 
+    def priced_moves(self) -> list[tuple[float, float]]:
+        """Every move of density this report prices against its base budget: the budget used (``moved``) and the
+        price probes."""
+        moved = self.moved()
+        return ([] if moved is None else [moved]) + [tuple(move) for move in self.probe_moves or ()]
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -182,6 +191,7 @@ class CostModel:
         self.latency = latency
         self.density = density
         self.ring = RingCost.for_model(latency.table.meta.dims, latency.table.meta.dtype)
+        self.recall_prices = RecallPrices()
         self.speed_smoothing = speed_smoothing
         self.warmup_left = warmup_steps  # per process: not checkpointed, a resumed process warms up again
         self.log_speeds = np.zeros(0)
@@ -240,7 +250,7 @@ class CostModel:
         speed (a term's scale and a rank's speed together moving by at most ``MAX_STEP_CORRECTION`` per step;
         its forgetting applied once for the step, so its memory counts steps whatever the number of ranks);
         the ring's cost learns from each context-parallel group's least wait; the density estimator learns each
-        document's density at the base budget; ``error`` follows how far the predictions made before this step
+        document's density at the base budget and the recall prices each pack's priced moves; ``error`` follows how far the predictions made before this step
         were off. Times of the first ``warmup_steps`` calls are left out.
 
         ``whole_seconds``: each rank's whole forward and backward, where it is timed free of collectives
@@ -278,7 +288,7 @@ class CostModel:
                 rest = math.nan if whole_seconds is None else (whole_seconds[rank] - measured[rank]) / record.share
                 if rest > 0 and math.isfinite(rest):
                     self.latency.observe(record.lengths, density, rest, terms=UNTIMED_TERMS, forget=False)
-            self._observe_density(record.lengths, record.report.base_document_density)
+        self.observe_attention(records)
         if valid.any():  # the ranks' micro-batches of a step are one round of measurements
             calibration.forget()
         self._bound_correction(before, speeds_before)
@@ -333,14 +343,15 @@ class CostModel:
         weight = max(1.0 / (self.overheads_observed - 1), self.speed_smoothing)
         self.step_overhead += weight * (seconds - self.step_overhead)
 
-    def observe_densities(self, lengths: Sequence[int], densities: Sequence[float]) -> None:
-        """Learn documents' densities at the base budget measured outside training (a calibration pass)."""
-        self._observe_density(lengths, densities)
-
-    def _observe_density(self, lengths: Sequence[int], densities: Sequence[float]) -> None:
-        docs = [(n, d) for n, d in zip(lengths, densities) if n > 0]
-        if self.density is not None and docs:
-            self.density.observe([n for n, _ in docs], [d for _, d in docs])
+    def observe_attention(self, records: Sequence[StepRecord]) -> None:
+        """Learn what attention did apart from its time: each document's density at the base budget, and each
+        pack's recall prices. ``observe`` calls it for every step; a calibration pass outside training calls it
+        alone, which teaches no times."""
+        for record in records:  # one record at a time, as the estimator's running means were learned before
+            docs = [(n, d) for n, d in zip(record.lengths, record.report.base_document_density) if n > 0]
+            if self.density is not None and docs:
+                self.density.observe([n for n, _ in docs], [d for _, d in docs])
+        self.recall_prices.observe([(r.lengths, r.report.priced_moves()) for r in records])
 
     # ---------------------------------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, Any]:
@@ -352,6 +363,7 @@ class CostModel:
             "steps_observed": self.steps_observed,
             "step_overhead": self.step_overhead,
             "ring": self.ring.state_dict(),
+            "recall_prices": self.recall_prices.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -363,6 +375,7 @@ class CostModel:
         self.steps_observed = int(state.get("steps_observed", 0))
         self.step_overhead = float(state.get("step_overhead", 0.0))
         self.ring.load_state_dict(state.get("ring", {}))
+        self.recall_prices.load_state_dict(state.get("recall_prices", {}))
 
 
 def timed_seconds(model: LatencyModel, lengths: Sequence[int], density: float) -> float:

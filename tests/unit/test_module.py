@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.callbacks import DynamicSparsityTuning
 from sparsebalance_pl.cost import CostModel, LatencyModel
+from sparsebalance_pl.cost.recall import length_class
 from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.model import ModelConfig
 from sparsebalance_pl.module import OptimConfig, SparseQwen
@@ -109,3 +110,24 @@ def test_the_report_prices_a_moved_budget_against_the_base_one(recall_rows):
         assert np.allclose(cut.probe_moves, static.probe_moves, atol=1e-3)
     else:
         assert cut.recall is None and cut.base_recall is None and cut.probe_moves is None
+
+
+def test_density_calibration_prices_recall_by_length_before_the_first_step():
+    """Where recall is measured, the calibration's forwards at the base budget also run the price probes, so
+    the adaptive anchor's first move is priced on documents of its length and not by the prior."""
+    torch.manual_seed(0)
+    module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY),
+                        attention=AttentionConfig(backend="sparse", block_size=64, stride=16, tau=0.6, recall_rows=64))
+    module.configure_model()
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                               enable_model_summary=False)
+    rng = np.random.default_rng(0)
+    packs = [[2048], [256] * 4]
+    batches = [collate_packed([{"tokens": rng.integers(0, 512, n)} for n in pack]) for pack in packs]
+    module.calibrate_density(batches)
+    assert module.training and module.cost_model.density.observed
+    prices = module.cost_model.recall_prices
+    assert set(prices.moments) == {length_class(pack) for pack in packs}
+    for pack in packs:  # measured: off the prior (1.0, 1.0); an untrained model's attention is near uniform
+        cut, raised = prices.prices(pack)
+        assert cut > 0 and raised > 0 and cut != 1.0 and raised != 1.0, (pack, cut, raised)

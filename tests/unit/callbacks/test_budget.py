@@ -104,12 +104,12 @@ def test_anchors():
 
 def test_adaptive_anchor_trades_speed_for_recall(model):
     p = 0.1
-    views = _views(model, p)
+    views = _views(model, p)  # the straggler first, then the fast rank
     fastest = min(v.base for v in views)
     # Cuts that cost no recall: the fastest step.
-    assert adaptive_anchor(views, (0.0, 1.0), tolerance=0.0) == fastest
+    assert adaptive_anchor(views, [(0.0, 1.0)] * 2, tolerance=0.0) == fastest
     # Recall that follows density and no allowance: the lowest anchor that loses no recall.
-    even = (1.0, 1.0)
+    even = [(1.0, 1.0)] * 2
     anchor = adaptive_anchor(views, even, tolerance=0.0)
     assert fastest < anchor < max(v.base for v in views)
     assert recall_drop(views, anchor, even) <= 0.0 < recall_drop(views, anchor * (1 - 1e-4), even)
@@ -118,7 +118,17 @@ def test_adaptive_anchor_trades_speed_for_recall(model):
     assert allowed < anchor and recall_drop(views, allowed, even) == pytest.approx(0.01, abs=1e-6)
     # Raises that buy more recall per unit of density than cuts cost: a shorter step at no predicted loss;
     # raises that buy less: a longer one.
-    assert adaptive_anchor(views, (0.5, 1.0), tolerance=0.0) < anchor < adaptive_anchor(views, (1.0, 0.5), 0.0)
+    assert adaptive_anchor(views, [(0.5, 1.0)] * 2, 0.0) < anchor < adaptive_anchor(views, [(1.0, 0.5)] * 2, 0.0)
+
+
+def test_adaptive_anchor_prices_each_rank_at_its_own_documents(model):
+    """Only the straggler is cut and only the fast rank raised, so each move is priced at its own rank's price:
+    a straggler whose documents lose more recall per unit cut holds the anchor higher, whatever the fast rank's
+    cut price."""
+    views = _views(model, 0.1)
+    anchor = adaptive_anchor(views, [(0.5, 0.5)] * 2, tolerance=0.0)
+    assert adaptive_anchor(views, [(0.5, 0.5), (5.0, 0.5)], 0.0) == pytest.approx(anchor)
+    assert adaptive_anchor(views, [(0.8, 0.5), (0.5, 0.5)], 0.0) > anchor
 
 
 def test_a_raise_that_keeps_every_candidate_is_priced_up_to_the_anchor(model):

@@ -30,7 +30,7 @@ def test_single_rank_keeps_base_budget_and_logs(tmp_path):
     assert [(tau, cap) for _, tau, cap, _ in module.history] == [(TAU0, None)] * 3
     assert "dst/rank0/tau" in module.trainer.logged_metrics
     state = dst.state_dict()
-    assert set(state) == {"recall_slope", "shifts", "budgets"}
+    assert set(state) == {"shifts", "budgets"}
     json.dumps(state)  # plain data
     restored = tuned(module, anchor="adaptive")
     restored.load_state_dict(json.loads(json.dumps(state)))

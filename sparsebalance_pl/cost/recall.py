@@ -1,0 +1,74 @@
+"""What recall a move of attention density costs or buys, by the length of the documents moved.
+
+Dynamic sparsity tuning's adaptive anchor trades a straggler's recall for step time: it needs the price of a
+unit of density cut from (or raised on) a rank's pack. That price depends on the documents: on 32 emulated ranks
+a cut of one 16K-token document cost 0.197 of recall per unit of density, a price pooled over packs of mostly
+short documents 0.134 (docs/RESULTS.md, tenth pass), and priced at the pooled figure the stragglers' cuts lost
+0.0036 of recall that the anchor predicted free. So prices are kept per length class of the pack: the octave of
+the length where its causal tiles lie (``length_class``), since that is where a cut of its tiles falls.
+
+Each report prices the moves it measured against its own base budget (``SparsityReport.priced_moves``: DST's
+move, and the price probes' cut and raise where recall is measured), so a class is priced on the first pack of
+its length, before DST moves one: the density calibration's forwards price every length before the first step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def length_class(lengths: Sequence[int]) -> int:
+    """The octave of the tile-weighted length of a pack (sum n^3 / sum n^2): a document of n tokens holds about
+    n^2 / 2 causal tiles, so the pack's tiles, and the cuts of them, lie mostly in its longest documents."""
+    n = np.asarray([x for x in lengths if x > 0], dtype=np.float64)
+    if not n.size:
+        return 0
+    return int(np.floor(np.log2(max((n**3).sum() / (n**2).sum(), 1.0))))
+
+
+class RecallPrices:
+    """Recall lost per unit of density cut and gained per unit raised, per length class of the pack.
+
+    Cuts and raises are priced apart: a straggler's cut drops the blocks of least mass across its layer, a fast
+    rank's raise adds the next blocks of its rows, and where attention is sharp the two prices differ. Each class
+    keeps exponentially weighted sums of the density moved and the recall it cost or bought, forgotten only as
+    that class is measured again (a length seen once an epoch keeps its price), and shrunk toward ``prior`` by
+    ``prior_weight`` units of density moved. A class never measured is priced at the prior: 1.0, recall following
+    density as in the near-uniform regime, is the cautious one for a cut.
+    """
+
+    #: Moves smaller than this (in density) teach nothing: rounding of the kept tiles, not a budget's change.
+    MIN_MOVE = 1e-3
+
+    def __init__(self, prior: float = 1.0, decay: float = 0.95, prior_weight: float = 0.05) -> None:
+        self.prior, self.decay, self.prior_weight = prior, decay, prior_weight
+        self.moments: dict[int, np.ndarray] = {}  # class -> rows cut, raise; columns density moved, recall
+
+    def observe(self, packs: Sequence[tuple[Sequence[int], Sequence[tuple[float, float]]]]) -> None:
+        """Learn from one step's packs: each one's lengths and its moves, (density, recall) against its base
+        budget."""
+        steps: dict[int, np.ndarray] = {}
+        for lengths, moves in packs:
+            for density, recall in moves:
+                if abs(density) >= self.MIN_MOVE:
+                    step = steps.setdefault(length_class(lengths), np.zeros((2, 2)))
+                    step[int(density > 0)] += [abs(density), recall * np.sign(density)]
+        for key, step in steps.items():
+            self.moments[key] = self.decay * self.moments.get(key, np.zeros((2, 2))) + step
+
+    def prices(self, lengths: Sequence[int]) -> tuple[float, float]:
+        """(recall lost per unit of density cut, recall gained per unit raised) for a pack of ``lengths``, each
+        at least 0."""
+        moments = self.moments.get(length_class(lengths), np.zeros((2, 2)))
+        moved, priced = moments[:, 0], moments[:, 1]
+        cut, raised = np.maximum((priced + self.prior * self.prior_weight) / (moved + self.prior_weight), 0.0)
+        return float(cut), float(raised)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {str(key): moments.tolist() for key, moments in sorted(self.moments.items())}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.moments = {int(key): np.asarray(moments, dtype=np.float64) for key, moments in state.items()}
