@@ -6,7 +6,8 @@ counts as moved where its mean density differs from its base budget's by ``MIN_M
 its mean density against the base budget's, its mean exact recall (and the base budget's, where the run
 measured it on the same rows: the price of the group's move is their difference per unit of density) and its
 estimated recall against the base budget's. Packs of one document of the run's longest length, at their base
-budget, are summed up per variant too, with what the price probes measured on them where the run had them::
+budget, are summed up per variant too, with what the price probes measured on them where the run had them, and
+the recall prices by length the variant's epoch started from (its ``calibrated_state.json``)::
 
     python benchmarks/emulated_steps.py outputs/e2e_32f_probes
 """
@@ -17,6 +18,10 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+
+from end_to_end import CALIBRATED_STATE, run_folder
+
+from sparsebalance_pl.cost.recall import RecallPrices
 
 #: As the adaptive anchor's prices (``RecallPrices.MIN_MOVE``): smaller differences are rounding of kept tiles.
 MIN_MOVE = 1e-3
@@ -80,6 +85,16 @@ def longest_alone(variant: dict, longest: int) -> dict:
                   if record["lengths"] == [longest] and abs(_moved(record["report"])) < MIN_MOVE])
 
 
+def starting_prices(run: Path, name: str) -> dict[int, tuple[float, float]]:
+    """The (cut, raise) recall prices per length class (log2 of a pack's tile-weighted length) that the cost
+    model held when the variant's epoch started; empty where the run kept no such state."""
+    path = run_folder(run, name, 0) / CALIBRATED_STATE
+    state = json.loads(path.read_text())["cost_model"].get("recall_prices", {}) if path.exists() else {}
+    prices = RecallPrices()
+    prices.load_state_dict(state)
+    return {key: prices.prices([2**key]) for key in sorted(prices.moments)}
+
+
 def _group_cell(g: dict) -> str:
     if not g["ranks"]:
         return "-"
@@ -109,6 +124,9 @@ def main(argv=None) -> None:
             print(f"\nPacks of one {longest}-token document at the base budget: {alone['ranks']}, density "
                   f"{alone['density']:.3f}, exact recall {alone['recall']:.4f}, estimated "
                   f"{alone['estimated_recall']:.4f}{probes}")
+        if prices := starting_prices(args.run, name):
+            print("\nRecall prices per unit of density at the epoch's start (cut, raise), by the pack's tile-weighted "
+                  "length: " + "; ".join(f"2^{key} {cut:.3f}, {raised:.3f}" for key, (cut, raised) in prices.items()))
         print()
 
 

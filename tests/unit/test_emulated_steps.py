@@ -32,3 +32,9 @@ def test_moved_ranks_are_grouped_and_priced_on_the_same_rows(tmp_path, capsys):
     emulated_steps.main([str(tmp_path)])
     out = capsys.readouterr().out
     assert "1: 0.400 -> 0.200, recall 0.8500 (base 0.9100, price 0.300)" in out and "cut 0.200, raise 0.200" in out
+    assert "at the epoch's start" not in out  # the run kept no calibrated state
+    state = tmp_path / "sparsebalance-round0" / "calibrated_state.json"
+    state.parent.mkdir()
+    state.write_text(json.dumps({"cost_model": {"recall_prices": {"12": [[0.95, 0.285], [0.0, 0.0]]}}}))
+    emulated_steps.main([str(tmp_path)])
+    assert "(cut, raise), by the pack's tile-weighted length: 2^12 0.335, 1.000" in capsys.readouterr().out
