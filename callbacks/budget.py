@@ -38,28 +38,47 @@ MIN_TAU = 0.01
 
 @dataclass(frozen=True)
 class Outlook:
-    """One rank's predicted seconds for its micro-batch: at the base budget and at the ends of its range.
+    """One rank's predicted seconds for its micro-batch: at the base budget and over the range it may move in.
 
-    ``density`` is the effective base density rho0 (the uniform density predicting ``base``); ``low`` is
-    the predicted time at the sparsest density the rank may take (``floor``), ``high`` the one at the densest
-    (``top``; both clipped to the model's density range).
+    ``density`` is the effective base density rho0 (the uniform density predicting ``base``). ``densities``
+    and ``times``: the predicted time at densities from the sparsest the rank may take (``floor``) to the
+    densest (``top``), at the latency table's densities between them and at rho0 (time ``base``). The
+    prediction is piecewise linear in density between the table's densities, so ``density_at`` inverts it
+    exactly, as ``rank_budget`` does: a straight line from the base to the range's end put raises to dense at
+    up to 1.6x the density the budget then kept (32 emulated ranks, docs/RESULTS.md eleventh pass).
     """
 
     base: float
-    low: float
-    high: float
     density: float
     tokens: float
-    floor: float
-    top: float
+    densities: tuple[float, ...]
+    times: tuple[float, ...]
+
+    @property
+    def floor(self) -> float:
+        return self.densities[0]
+
+    @property
+    def top(self) -> float:
+        return self.densities[-1]
+
+    @property
+    def low(self) -> float:
+        """Predicted seconds at ``floor``."""
+        return self.times[0]
+
+    @property
+    def high(self) -> float:
+        """Predicted seconds at ``top``."""
+        return self.times[-1]
 
     def at(self, anchor: float) -> float:
         """Predicted seconds once the budget moved toward ``anchor``."""
         return min(max(anchor, self.low), self.high)
 
     def density_at(self, anchor: float) -> float:
-        """Approximate density at ``anchor``: time is close to linear in density between the range ends."""
-        return float(np.interp(self.at(anchor), [self.low, self.base, self.high], [self.floor, self.density, self.top]))
+        """The density at which the predicted time is ``anchor`` (within the range)."""
+        return float(np.interp(self.at(anchor), self.times, self.densities))
 
 
 def outlook(
@@ -78,8 +97,11 @@ def outlook(
     rho0 = model.density_for(lengths, base, clip=True)
     floor = rho0 if p <= 0 else min(max(min_density, model.min_density), rho0)
     top = rho0 if p <= 0 else 1.0 if raises_to_dense else min(rho0 + p, 1.0)
-    low, high = model.predict(lengths, floor), model.predict(lengths, top)
-    return Outlook(base, min(low, base), max(high, base), rho0, float(sum(lengths)), floor, top)
+    grid = model.table.densities
+    densities = np.unique([floor, rho0, top, *grid[(grid > floor) & (grid < top)]])
+    times = np.array([base if d == rho0 else model.predict(lengths, d) for d in densities])
+    times = np.maximum.accumulate(times)  # the base's own time may lie a rounding above the next density's
+    return Outlook(base, rho0, float(sum(lengths)), tuple(densities.tolist()), tuple(times.tolist()))
 
 
 def raises_to_dense(base: Sequence[LayerBudget], p: float) -> bool:

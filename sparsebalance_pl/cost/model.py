@@ -250,8 +250,9 @@ class CostModel:
         speed (a term's scale and a rank's speed together moving by at most ``MAX_STEP_CORRECTION`` per step;
         its forgetting applied once for the step, so its memory counts steps whatever the number of ranks);
         the ring's cost learns from each context-parallel group's least wait; the density estimator learns each
-        document's density at the base budget and the recall prices each pack's priced moves; ``error`` follows how far the predictions made before this step
-        were off. Times of the first ``warmup_steps`` calls are left out.
+        document's density at the base budget and the recall prices each pack's priced moves
+        (``observe_attention``); ``error`` follows how far the predictions made before this step were off. Times
+        of the first ``warmup_steps`` calls are left out.
 
         ``whole_seconds``: each rank's whole forward and backward, where it is timed free of collectives
         (emulated ranks run one after another; under FSDP a fast rank's time includes waiting for the slowest,

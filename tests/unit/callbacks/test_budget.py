@@ -121,6 +121,17 @@ def test_adaptive_anchor_trades_speed_for_recall(model):
     assert adaptive_anchor(views, [(0.5, 1.0)] * 2, 0.0) < anchor < adaptive_anchor(views, [(1.0, 0.5)] * 2, 0.0)
 
 
+def test_the_outlook_inverts_the_latency_model_as_the_budget_does(model):
+    """The adaptive anchor's recall model reads a rank's density at an anchor off its outlook; ``rank_budget``
+    takes its target from the latency model's exact inverse. They agree at every anchor in the rank's range."""
+    lengths = [2048] * 2
+    view = outlook(model, lengths, [0.3] * 2, 0.1, min_density=0.05, raises_to_dense=True)
+    assert view.floor < view.density < view.top == 1.0 and list(view.times) == sorted(view.times)
+    for anchor in np.linspace(view.low, view.high, 13):
+        assert view.density_at(anchor) == pytest.approx(model.density_for(lengths, anchor, clip=True), abs=1e-6)
+    assert view.density_at(view.base) == pytest.approx(view.density)
+
+
 def test_adaptive_anchor_prices_each_rank_at_its_own_documents(model):
     """Only the straggler is cut and only the fast rank raised, so each move is priced at its own rank's price:
     a straggler whose documents lose more recall per unit cut holds the anchor higher, whatever the fast rank's
