@@ -10,6 +10,15 @@ budget, are summed up per variant too, with what the price probes measured on th
 the recall prices by length the variant's epoch started from (its ``calibrated_state.json``)::
 
     python benchmarks/emulated_steps.py outputs/e2e_32f_probes
+
+``--replay VARIANT STEP`` replays DST's decision of one step against what it did: the variant's controller and
+cost model are rebuilt from the state its epoch started with, taught the variant's own earlier steps in order
+(as the run taught them, but for the optimiser's time, which DST does not read), and asked for that step's
+budgets; per rank the planned density (rho0 to the target, ``rank_budget``'s) beside the measured one (base
+budget to the budget used), the price the adaptive anchor's recall model used beside the one the move cost on the
+same rows, and the step's predicted and measured change of recall::
+
+    python benchmarks/emulated_steps.py outputs/e2e_32f_bylength --replay sparsebalance 5
 """
 
 from __future__ import annotations
@@ -17,11 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 from pathlib import Path
 
-from end_to_end import CALIBRATED_STATE, run_folder
+import end_to_end
 
-from sparsebalance_pl.cost.recall import RecallPrices
+from sparsebalance_pl.cost.recall import RecallPrices, length_class
 
 #: As the adaptive anchor's prices (``RecallPrices.MIN_MOVE``): smaller differences are rounding of kept tiles.
 MIN_MOVE = 1e-3
@@ -88,11 +98,53 @@ def longest_alone(variant: dict, longest: int) -> dict:
 def starting_prices(run: Path, name: str) -> dict[int, tuple[float, float]]:
     """The (cut, raise) recall prices per length class (log2 of a pack's tile-weighted length) that the cost
     model held when the variant's epoch started; empty where the run kept no such state."""
-    path = run_folder(run, name, 0) / CALIBRATED_STATE
+    path = end_to_end.run_folder(run, name, 0) / end_to_end.CALIBRATED_STATE
     state = json.loads(path.read_text())["cost_model"].get("recall_prices", {}) if path.exists() else {}
     prices = RecallPrices()
     prices.load_state_dict(state)
     return {key: prices.prices([2**key]) for key in sorted(prices.moments)}
+
+
+def replayed_decision(run: Path, name: str, step: int) -> dict:
+    """DST's decision of the first micro-batch round of step ``step`` of variant ``name``, replayed (module
+    docstring), beside what it did."""
+    results = json.loads((run / "results.json").read_text())
+    path = end_to_end.run_folder(run, name, 0) / end_to_end.CALIBRATED_STATE
+    if name not in results["variants"] or not path.is_file():
+        raise SystemExit(f"{run} has no variant {name!r} with a calibrated state to replay from")
+    records = results["variants"][name]["steps"][step]["rounds"][0]["records"]
+    if any(record["report"].get("base_recall") is None for record in records):
+        raise SystemExit(f"step {step} of {name!r} did not measure the base budget's recall on the same rows")
+    with tempfile.TemporaryDirectory() as scratch:  # the variant's configuration is written out again there
+        args = end_to_end.parse_args([*results["argv"], "--out", scratch])
+        state = json.loads(path.read_text())
+        _, _, _, controller, _ = end_to_end.prepare_emulated(end_to_end.merged_configs(args.config), name, args, 0,
+                                                             calibrated=state)
+    cost = controller.cost_model
+    cost.warmup_left = 0  # the run's process had warmed up in its calibration steps
+    for earlier in results["variants"][name]["steps"][:step]:
+        for round_ in earlier["rounds"]:  # as the emulation: each round planned, run, then learned from
+            controller.plan([record["lengths"] for record in round_["records"]])
+            cost.replay(round_)
+    lengths = [record["lengths"] for record in records]
+    decision = controller.plan(lengths)
+    views = controller.outlooks(lengths)
+    ranks, predicted, measured, tokens = [], 0.0, 0.0, 0
+    for record, budget, view in zip(records, decision.ranks, views):
+        report, n = record["report"], sum(record["lengths"])
+        used, base_density = _density(report), _density(report, "base_density")
+        planned = budget.density - view.density
+        cut, raised = cost.recall_prices.prices(record["lengths"])
+        price = cut if planned < 0 else raised
+        moved = used - base_density
+        recall = report["recall"] - report["base_recall"]
+        ranks.append({"tokens": n, "class": length_class(record["lengths"]), "rho0": view.density,
+                      "target": budget.density, "base_density": base_density, "density": used, "price": price,
+                      "measured_price": recall / moved if abs(moved) >= MIN_MOVE else None})
+        predicted += n * price * planned
+        measured += n * recall
+        tokens += n
+    return {"anchor": decision.anchor, "ranks": ranks, "predicted": predicted / tokens, "measured": measured / tokens}
 
 
 def _group_cell(g: dict) -> str:
@@ -106,7 +158,22 @@ def _group_cell(g: dict) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path, help="an emulated run's --out folder (its results.json)")
+    parser.add_argument("--replay", nargs=2, metavar=("VARIANT", "STEP"),
+                        help="replay DST's decision of one step of one variant against what it did")
     args = parser.parse_args(argv)
+    if args.replay:
+        name, step = args.replay[0], int(args.replay[1])
+        replay = replayed_decision(args.run, name, step)
+        print(f"## {name}, step {step}, replayed: anchor {replay['anchor']:.3f} s\n\n"
+              "| rank | tokens | length class | planned density | measured density | price used | measured price |\n"
+              "|---|---|---|---|---|---|---|")
+        for r, rank in enumerate(replay["ranks"]):
+            measured = "-" if rank["measured_price"] is None else f"{rank['measured_price']:.3f}"
+            print(f"| {r} | {rank['tokens']} | {rank['class']} | {rank['rho0']:.3f} -> {rank['target']:.3f} | "
+                  f"{rank['base_density']:.3f} -> {rank['density']:.3f} | {rank['price']:.3f} | {measured} |")
+        print(f"\nRecall change over the step's tokens: predicted {replay['predicted']:+.4f} (prices times planned "
+              f"moves), measured {replay['measured']:+.4f} (on the same rows)")
+        return
     variants = json.loads((args.run / "results.json").read_text())["variants"]
     longest = max(max(record["lengths"]) for variant in variants.values() for step in variant["steps"]
                   for round_ in step["rounds"] for record in round_["records"])

@@ -146,6 +146,11 @@ class DSTController:
         self.last_lengths, self.last_shares = lengths, shares
         return self.last
 
+    def outlooks(self, lengths: Sequence[Sequence[int]], shares: Sequence[float] | None = None) -> list[Outlook]:
+        """Every rank's ``Outlook`` as ``plan`` would see it now: what a decision was planned from."""
+        shares = [1.0] * len(lengths) if shares is None else shares
+        return self._views([self.cost_model.for_rank(r, share) for r, share in enumerate(shares)], lengths)
+
     def _views(self, models: Sequence[LatencyModel], lengths: Sequence[Sequence[int]]) -> list[Outlook]:
         density = self.cost_model.document_density
         return [outlook(model, ls, density(ls), self.p, self.min_density, self.raises_to_dense)

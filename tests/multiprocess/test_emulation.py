@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,16 @@ def test_end_to_end_benchmark_emulates_ranks_and_writes_every_step(tmp_path):
     rejected = subprocess.run([sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--ranks", "3",
                                "--report-only"], capture_output=True, text=True, timeout=60)
     assert rejected.returncode == 2 and "--report-only" in rejected.stderr
+    # DST's decision of the last step, replayed from the state its epoch started with, beside what it did
+    last = len(results["variants"][BALANCED]["steps"]) - 1
+    replay = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "emulated_steps.py"), str(out), "--replay", BALANCED, str(last)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert replay.returncode == 0, replay.stderr[-3000:]
+    rows = [line for line in replay.stdout.splitlines() if re.match(r"\| \d+ \|", line)]
+    records = results["variants"][BALANCED]["steps"][last]["rounds"][0]["records"]
+    assert len(rows) == 3
+    tokens = [sum(record["lengths"]) for record in records]
+    measured = sum(n * (r["report"]["recall"] - r["report"]["base_recall"]) for n, r in zip(tokens, records))
+    assert f"measured {measured / sum(tokens):+.4f}" in replay.stdout
