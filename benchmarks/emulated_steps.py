@@ -16,7 +16,8 @@ cost model are rebuilt from the state its epoch started with, taught the variant
 (as the run taught them, but for the optimiser's time, which DST does not read), and asked for that step's
 budgets; per rank the planned density (rho0 to the target, ``rank_budget``'s) beside the measured one (base
 budget to the budget used), the price the adaptive anchor's recall model used beside the one the move cost on the
-same rows, and the step's predicted and measured change of recall::
+same rows, the cost model's predicted attention seconds at the budget used beside the measured ones, and the
+step's predicted and measured change of recall::
 
     python benchmarks/emulated_steps.py outputs/e2e_32f_bylength --replay sparsebalance 5
 """
@@ -129,18 +130,20 @@ def replayed_decision(run: Path, name: str, step: int) -> dict:
     lengths = [record["lengths"] for record in records]
     decision = controller.plan(lengths)
     views = controller.outlooks(lengths)
+    prices = [cost.recall_prices.prices(ls) for ls in lengths]  # before the step teaches its own
+    seconds = cost.replay(results["variants"][name]["steps"][step]["rounds"][0])
     ranks, predicted, measured, tokens = [], 0.0, 0.0, 0
-    for record, budget, view in zip(records, decision.ranks, views):
+    for r, (record, budget, view, (cut, raised)) in enumerate(zip(records, decision.ranks, views, prices)):
         report, n = record["report"], sum(record["lengths"])
         used, base_density = _density(report), _density(report, "base_density")
         planned = budget.density - view.density
-        cut, raised = cost.recall_prices.prices(record["lengths"])
         price = cut if planned < 0 else raised
         moved = used - base_density
         recall = report["recall"] - report["base_recall"]
         ranks.append({"tokens": n, "class": length_class(record["lengths"]), "rho0": view.density,
                       "target": budget.density, "base_density": base_density, "density": used, "price": price,
-                      "measured_price": recall / moved if abs(moved) >= MIN_MOVE else None})
+                      "measured_price": recall / moved if abs(moved) >= MIN_MOVE else None,
+                      "predicted_s": float(seconds.predicted[r]), "measured_s": float(seconds.measured[r])})
         predicted += n * price * planned
         measured += n * recall
         tokens += n
@@ -165,12 +168,13 @@ def main(argv=None) -> None:
         name, step = args.replay[0], int(args.replay[1])
         replay = replayed_decision(args.run, name, step)
         print(f"## {name}, step {step}, replayed: anchor {replay['anchor']:.3f} s\n\n"
-              "| rank | tokens | length class | planned density | measured density | price used | measured price |\n"
-              "|---|---|---|---|---|---|---|")
+              "| rank | tokens | length class | planned density | measured density | price used | measured price "
+              "| attention s predicted / measured |\n|---|---|---|---|---|---|---|---|")
         for r, rank in enumerate(replay["ranks"]):
             measured = "-" if rank["measured_price"] is None else f"{rank['measured_price']:.3f}"
             print(f"| {r} | {rank['tokens']} | {rank['class']} | {rank['rho0']:.3f} -> {rank['target']:.3f} | "
-                  f"{rank['base_density']:.3f} -> {rank['density']:.3f} | {rank['price']:.3f} | {measured} |")
+                  f"{rank['base_density']:.3f} -> {rank['density']:.3f} | {rank['price']:.3f} | {measured} | "
+                  f"{rank['predicted_s']:.2f} / {rank['measured_s']:.2f} |")
         print(f"\nRecall change over the step's tokens: predicted {replay['predicted']:+.4f} (prices times planned "
               f"moves), measured {replay['measured']:+.4f} (on the same rows)")
         return
