@@ -96,7 +96,8 @@ def test_anchor_moves_at_most_twice_per_step_from_a_wrong_prior():
         for lengths, budget in zip(IMBALANCED, decision.ranks):
             density = float(cost.document_density(lengths).mean())
             seconds = truth.timed_seconds(lengths, density)
-            records.append(StepRecord(lengths, SparsityReport([density] * 4, [0.9] * 4, [density] * len(lengths), seconds)))
+            report = SparsityReport([density] * 4, [0.9] * 4, [density] * len(lengths), seconds)
+            records.append(StepRecord(lengths, report))
         cost.observe(records)
     ratios = np.array(anchors[1:]) / np.array(anchors[:-1])
     assert ratios.max() <= 2.0 + 1e-9 and ratios.min() >= 0.5 - 1e-9
