@@ -16,8 +16,10 @@ cost model are rebuilt from the state its epoch started with, taught the variant
 (as the run taught them, but for the optimiser's time, which DST does not read), and asked for that step's
 budgets; per rank the planned density (rho0 to the target, ``rank_budget``'s) beside the measured one (base
 budget to the budget used), the price the adaptive anchor's recall model used beside the one the move cost on the
-same rows, the cost model's predicted attention seconds at the budget used beside the measured ones, and the
-step's predicted and measured change of recall::
+same rows, the cost model's predicted attention seconds at the density used beside the measured ones and the
+rank's whole measured seconds; then the step's predicted and measured change of recall, and per group of ranks
+(cut, raised, unmoved) the medians of measured over predicted attention time and of measured over planned
+move::
 
     python benchmarks/emulated_steps.py outputs/e2e_32f_bylength --replay sparsebalance 5
 """
@@ -103,7 +105,7 @@ def starting_prices(run: Path, name: str) -> dict[int, tuple[float, float]]:
     state = json.loads(path.read_text())["cost_model"].get("recall_prices", {}) if path.exists() else {}
     prices = RecallPrices()
     prices.load_state_dict(state)
-    return {key: prices.prices([2**key]) for key in sorted(prices.moments)}
+    return prices.by_class()
 
 
 def replayed_decision(run: Path, name: str, step: int) -> dict:
@@ -131,7 +133,8 @@ def replayed_decision(run: Path, name: str, step: int) -> dict:
     decision = controller.plan(lengths)
     views = controller.outlooks(lengths)
     prices = [cost.recall_prices.prices(ls) for ls in lengths]  # before the step teaches its own
-    seconds = cost.replay(results["variants"][name]["steps"][step]["rounds"][0])
+    done = results["variants"][name]["steps"][step]
+    seconds = cost.replay(done["rounds"][0])
     ranks, predicted, measured, tokens = [], 0.0, 0.0, 0
     for r, (record, budget, view, (cut, raised)) in enumerate(zip(records, decision.ranks, views, prices)):
         report, n = record["report"], sum(record["lengths"])
@@ -143,11 +146,29 @@ def replayed_decision(run: Path, name: str, step: int) -> dict:
         ranks.append({"tokens": n, "class": length_class(record["lengths"]), "rho0": view.density,
                       "target": budget.density, "base_density": base_density, "density": used, "price": price,
                       "measured_price": recall / moved if abs(moved) >= MIN_MOVE else None,
-                      "predicted_s": float(seconds.predicted[r]), "measured_s": float(seconds.measured[r])})
+                      "predicted_s": float(seconds.predicted[r]), "measured_s": float(seconds.measured[r]),
+                      "rank_s": done["rank_s"][r]})
         predicted += n * price * planned
         measured += n * recall
         tokens += n
-    return {"anchor": decision.anchor, "ranks": ranks, "predicted": predicted / tokens, "measured": measured / tokens}
+    return {"anchor": decision.anchor, "ranks": ranks, "predicted": predicted / tokens, "measured": measured / tokens,
+            "groups": {kind: _replay_group([rank for rank in ranks if _kind(rank) == kind])
+                       for kind in ("cut", "raised", "unmoved")}}
+
+
+def _kind(rank: dict) -> str:
+    moved = rank["density"] - rank["base_density"]
+    return "cut" if moved <= -MIN_MOVE else "raised" if moved >= MIN_MOVE else "unmoved"
+
+
+def _replay_group(ranks: list[dict]) -> dict:
+    """Medians over a group of replayed ranks: measured over predicted attention seconds, and the measured move
+    (relative to the base budget's density) over the planned one (relative to rho0)."""
+    moves = [(r["density"] / r["base_density"] - 1) / planned for r in ranks
+             if abs(planned := (r["target"] - r["rho0"]) / r["rho0"]) >= MIN_MOVE]
+    return {"ranks": len(ranks),
+            "time_ratio": statistics.median(r["measured_s"] / r["predicted_s"] for r in ranks) if ranks else None,
+            "move_ratio": statistics.median(moves) if moves else None}
 
 
 def _group_cell(g: dict) -> str:
@@ -169,14 +190,20 @@ def main(argv=None) -> None:
         replay = replayed_decision(args.run, name, step)
         print(f"## {name}, step {step}, replayed: anchor {replay['anchor']:.3f} s\n\n"
               "| rank | tokens | length class | planned density | measured density | price used | measured price "
-              "| attention s predicted / measured |\n|---|---|---|---|---|---|---|---|")
+              "| attention s predicted / measured | rank s |\n|---|---|---|---|---|---|---|---|---|")
         for r, rank in enumerate(replay["ranks"]):
             measured = "-" if rank["measured_price"] is None else f"{rank['measured_price']:.3f}"
             print(f"| {r} | {rank['tokens']} | {rank['class']} | {rank['rho0']:.3f} -> {rank['target']:.3f} | "
                   f"{rank['base_density']:.3f} -> {rank['density']:.3f} | {rank['price']:.3f} | {measured} | "
-                  f"{rank['predicted_s']:.2f} / {rank['measured_s']:.2f} |")
+                  f"{rank['predicted_s']:.2f} / {rank['measured_s']:.2f} | {rank['rank_s']:.2f} |")
         print(f"\nRecall change over the step's tokens: predicted {replay['predicted']:+.4f} (prices times planned "
               f"moves), measured {replay['measured']:+.4f} (on the same rows)")
+        for kind, group in replay["groups"].items():
+            if group["ranks"]:
+                move = "" if group["move_ratio"] is None else (
+                    f", measured over planned move (each relative to its base) {group['move_ratio']:.2f}")
+                print(f"{kind} ranks: {group['ranks']}, median measured over predicted attention seconds "
+                      f"{group['time_ratio']:.3f}{move}")
         return
     variants = json.loads((args.run / "results.json").read_text())["variants"]
     longest = max(max(record["lengths"]) for variant in variants.values() for step in variant["steps"]
@@ -195,6 +222,8 @@ def main(argv=None) -> None:
             print(f"\nPacks of one {longest}-token document at the base budget: {alone['ranks']}, density "
                   f"{alone['density']:.3f}, exact recall {alone['recall']:.4f}, estimated "
                   f"{alone['estimated_recall']:.4f}{probes}")
+        print(f"\nRank-seconds over the epoch (every rank's forward and backward): "
+              f"{sum(sum(step['rank_s']) for step in variant['steps']):.1f}")
         if prices := starting_prices(args.run, name):
             print("\nRecall prices per unit of density at the epoch's start (cut, raise), by the pack's tile-weighted "
                   "length: " + "; ".join(f"2^{key} {cut:.3f}, {raised:.3f}" for key, (cut, raised) in prices.items()))

@@ -40,45 +40,36 @@ MIN_TAU = 0.01
 class Outlook:
     """One rank's predicted seconds for its micro-batch: at the base budget and over the range it may move in.
 
-    ``density`` is the effective base density rho0 (the uniform density predicting ``base``). ``densities``
-    and ``times``: the predicted time at densities from the sparsest the rank may take (``floor``) to the
-    densest (``top``), at the latency table's densities between them and at rho0 (time ``base``). The
-    prediction is piecewise linear in density between the table's densities, so ``density_at`` inverts it
-    exactly, as ``rank_budget`` does: a straight line from the base to the range's end put raises to dense at
-    up to 1.6x the density the budget then kept (32 emulated ranks, docs/RESULTS.md eleventh pass).
+    ``density`` is the effective base density rho0 (the uniform density predicting ``base``); ``low`` is
+    the predicted time at the sparsest density the rank may take (``floor``), ``high`` the one at the densest
+    (``top``). ``densities`` and ``times`` are the latency model's ``time_curve`` for the rank's documents, so
+    the densities a move is priced at (``density_at``) and the ones its budget targets (``rank_budget``) are
+    the same exact inverse (a straight line from the base to the range's ends was off by up to 0.05 of density
+    on the analytic model, ``tests/unit/callbacks/test_budget.py``).
     """
 
     base: float
+    low: float
+    high: float
     density: float
     tokens: float
+    floor: float
+    top: float
     densities: tuple[float, ...]
     times: tuple[float, ...]
-
-    @property
-    def floor(self) -> float:
-        return self.densities[0]
-
-    @property
-    def top(self) -> float:
-        return self.densities[-1]
-
-    @property
-    def low(self) -> float:
-        """Predicted seconds at ``floor``."""
-        return self.times[0]
-
-    @property
-    def high(self) -> float:
-        """Predicted seconds at ``top``."""
-        return self.times[-1]
 
     def at(self, anchor: float) -> float:
         """Predicted seconds once the budget moved toward ``anchor``."""
         return min(max(anchor, self.low), self.high)
 
+    def density_for(self, seconds: float) -> float:
+        """The density whose predicted time is ``seconds``, within the model's density range (as
+        ``LatencyModel.density_for`` clipped)."""
+        return float(np.interp(seconds, self.times, self.densities))
+
     def density_at(self, anchor: float) -> float:
-        """The density at which the predicted time is ``anchor`` (within the range)."""
-        return float(np.interp(self.at(anchor), self.times, self.densities))
+        """The density once the budget moved toward ``anchor``, within the rank's range."""
+        return self.density_for(self.at(anchor))
 
 
 def outlook(
@@ -94,14 +85,13 @@ def outlook(
     to rho0 + p, or to dense where ``raises_to_dense``: where the raised tau keeps every candidate block
     (``raises_to_dense``), only the scale's ceiling bounds a raise, at the anchor's density (``rank_budget``)."""
     base = model.predict(lengths, base_density)
-    rho0 = model.density_for(lengths, base, clip=True)
+    densities, times = model.time_curve(lengths)
+    rho0 = float(np.interp(base, times, densities))
     floor = rho0 if p <= 0 else min(max(min_density, model.min_density), rho0)
     top = rho0 if p <= 0 else 1.0 if raises_to_dense else min(rho0 + p, 1.0)
-    grid = model.table.densities
-    densities = np.unique([floor, rho0, top, *grid[(grid > floor) & (grid < top)]])
-    times = np.array([base if d == rho0 else model.predict(lengths, d) for d in densities])
-    times = np.maximum.accumulate(times)  # the base's own time may lie a rounding above the next density's
-    return Outlook(base, rho0, float(sum(lengths)), tuple(densities.tolist()), tuple(times.tolist()))
+    low, high = (float(np.interp(d, densities, times)) for d in (floor, top))
+    return Outlook(base, min(low, base), max(high, base), rho0, float(sum(lengths)), floor, top,
+                   tuple(densities.tolist()), tuple(times.tolist()))
 
 
 def raises_to_dense(base: Sequence[LayerBudget], p: float) -> bool:
@@ -187,8 +177,6 @@ class RankBudget:
 
 
 def rank_budget(
-    model: LatencyModel,
-    lengths: Sequence[int],
     view: Outlook,
     anchor: float,
     p: float,
@@ -197,20 +185,20 @@ def rank_budget(
 ) -> RankBudget:
     """This rank's budgets for moving its predicted time toward ``anchor`` (module docstring).
 
-    The density target inverts the latency model exactly (``density_for``). After the first step the shift
+    The density target inverts the latency model exactly (``Outlook.density_at``). After the first step the shift
     of tau moves by at most 1 (tau by at most p) from ``previous_shift``, so tau cannot oscillate by more.
     With p = 0 the base budgets are returned unchanged (the static baseline).
     """
     if p <= 0:
         return RankBudget(0.0, view.density, [replace(b) for b in base])
-    target = max(model.density_for(lengths, view.at(anchor), clip=True), view.floor)
+    target = max(view.density_at(anchor), view.floor)
     shift = float(np.clip((target - view.density) / p, -1.0, 1.0))
     if previous_shift is not None:
         shift = float(np.clip(shift, previous_shift - 1.0, previous_shift + 1.0))
     taus = [float(np.clip(b.tau + shift * p, MIN_TAU, 1.0)) for b in base]
     if abs(target - view.density) <= 1e-9:  # at the anchor already: tau may still be settling back
         return RankBudget(shift, target, [replace(b, tau=tau) for tau, b in zip(taus, base)])
-    ceiling = target if target < view.density else model.density_for(lengths, anchor, clip=True)
+    ceiling = target if target < view.density else view.density_for(anchor)
     scale = ceiling / view.density
     budgets = [LayerBudget(tau, _cap(b.max_density, shift, p), scale) for tau, b in zip(taus, base)]
     return RankBudget(shift, target, budgets)

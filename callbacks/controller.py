@@ -130,14 +130,13 @@ class DSTController:
         anchor = self._anchor(views, lengths, margin)
         drift = None
         if self.last is not None and len(self.last_lengths) == len(lengths) and self.last.anchor > 0:
-            last_models = [self.cost_model.for_rank(r, share) for r, share in enumerate(self.last_shares)]
-            last_views = self._views(last_models, self.last_lengths)
+            last_views = self.outlooks(self.last_lengths, self.last_shares)
             drift = self._anchor(last_views, self.last_lengths, margin) / self.last.anchor
         base = [v.base for v in views]
         targets = self._targets(views, anchor, margin)
         ranks = [
-            rank_budget(model, ls, view, target, self.p, self.base_budgets, shift)
-            for model, ls, view, target, shift in zip(models, lengths, views, targets, self.shifts)
+            rank_budget(view, target, self.p, self.base_budgets, shift)
+            for view, target, shift in zip(views, targets, self.shifts)
         ]
         self.shifts = [budget.shift for budget in ranks]
         self.budgets = [budget.budgets for budget in ranks]

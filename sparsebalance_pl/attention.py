@@ -325,7 +325,8 @@ def _measure_recall(q, k, layer: int, ctx: AttentionContext, stats: LayerStats, 
     recall = attention_recall(q.detach(), k.detach(), torch.stack(masks), ctx.cu_seqlens,
                               block_size=ctx.config.block_size, scale=scale, num_rows=ctx.recall_rows)
     stats.recall, stats.base_recall = recall[0], recall[0 if own else 1]
-    moves = [(probe.mean_density() - base.mean_density(), probe_recall - stats.base_recall)
+    base_density = base.mean_density()
+    moves = [(probe.mean_density() - base_density, probe_recall - stats.base_recall)
              for probe, probe_recall in zip(probes, recall[len(masks) - len(probes):])]
     stats.probe_moves = torch.stack([torch.stack(move) for move in moves])
 

@@ -349,37 +349,33 @@ class LatencyModel:
     def _ring(self, doc_lengths: ArrayLike) -> float:
         return 0.0 if self.ring is None else float(self.ring(float(_as_lengths(doc_lengths).sum())))
 
+    def time_curve(self, doc_lengths: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """(densities, seconds): the predicted time at each of the table's densities, the same for every document.
+        The prediction is piecewise linear in density between them, so these points hold it whole: interpolating
+        them predicts any density and, the times rising with density, inverts any time exactly."""
+        lengths = _as_lengths(doc_lengths)
+        return self.table.densities, np.array([self.predict(lengths, d) for d in self.table.densities])
+
     def density_for(self, doc_lengths: ArrayLike, seconds: float, *, clip: bool = False) -> float:
         """The largest density (same for all documents) whose predicted time is at most ``seconds``.
 
-        Exact: the prediction is piecewise linear in density between the table's densities. When no density
-        in [``min_density``, 1] reaches ``seconds``, raises ``UnreachableTimeError`` carrying the nearest
-        bound, or returns that bound when ``clip`` is true.
+        Exact (``time_curve``). When no density in [``min_density``, 1] reaches ``seconds``, raises
+        ``UnreachableTimeError`` carrying the nearest bound, or returns that bound when ``clip`` is true.
         """
-        lengths = _as_lengths(doc_lengths)
-        densities = self.table.densities
-        times = np.array([self.predict(lengths, d) for d in densities])
-        if seconds < times[0]:
-            if clip:
-                return float(densities[0])
+        densities, times = self.time_curve(doc_lengths)
+        if not clip and seconds < times[0]:
             raise UnreachableTimeError(
                 f"{seconds:.4g} s is below the fastest predicted time {times[0]:.4g} s "
-                f"(density {densities[0]:g}) for these {len(lengths)} documents",
+                f"(density {densities[0]:g}) for these {len(_as_lengths(doc_lengths))} documents",
                 float(densities[0]),
             )
-        if seconds > times[-1] * (1 + 1e-9):
-            if clip:
-                return 1.0
+        if not clip and seconds > times[-1] * (1 + 1e-9):
             raise UnreachableTimeError(
                 f"{seconds:.4g} s is above the dense predicted time {times[-1]:.4g} s for these "
-                f"{len(lengths)} documents",
+                f"{len(_as_lengths(doc_lengths))} documents",
                 1.0,
             )
-        j = int(np.searchsorted(times, seconds, side="right")) - 1
-        if j >= len(densities) - 1:
-            return 1.0
-        fraction = (seconds - times[j]) / (times[j + 1] - times[j])
-        return float(densities[j] + fraction * (densities[j + 1] - densities[j]))
+        return float(np.interp(seconds, times, densities))
 
     def _doc_terms(self, lengths: ArrayLike, density: ArrayLike) -> np.ndarray:
         """Unscaled [docs, 3] seconds over all layers: tokens, attention, document-scoped selection."""

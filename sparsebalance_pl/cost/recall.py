@@ -52,9 +52,10 @@ class RecallPrices:
         budget."""
         steps: dict[int, np.ndarray] = {}
         for lengths, moves in packs:
-            for density, recall in moves:
-                if abs(density) >= self.MIN_MOVE:
-                    step = steps.setdefault(length_class(lengths), np.zeros((2, 2)))
+            taught = [(density, recall) for density, recall in moves if abs(density) >= self.MIN_MOVE]
+            if taught:
+                step = steps.setdefault(length_class(lengths), np.zeros((2, 2)))
+                for density, recall in taught:
                     step[int(density > 0)] += [abs(density), recall * np.sign(density)]
         for key, step in steps.items():
             self.moments[key] = self.decay * self.moments.get(key, np.zeros((2, 2))) + step
@@ -62,7 +63,14 @@ class RecallPrices:
     def prices(self, lengths: Sequence[int]) -> tuple[float, float]:
         """(recall lost per unit of density cut, recall gained per unit raised) for a pack of ``lengths``, each
         at least 0."""
-        moments = self.moments.get(length_class(lengths), np.zeros((2, 2)))
+        return self._prices(length_class(lengths))
+
+    def by_class(self) -> dict[int, tuple[float, float]]:
+        """The prices of every length class measured so far (``length_class``), in class order."""
+        return {key: self._prices(key) for key in sorted(self.moments)}
+
+    def _prices(self, key: int) -> tuple[float, float]:
+        moments = self.moments.get(key, np.zeros((2, 2)))
         moved, priced = moments[:, 0], moments[:, 1]
         cut, raised = np.maximum((priced + self.prior * self.prior_weight) / (moved + self.prior_weight), 0.0)
         return float(cut), float(raised)

@@ -32,6 +32,7 @@ def test_moved_ranks_are_grouped_and_priced_on_the_same_rows(tmp_path, capsys):
     emulated_steps.main([str(tmp_path)])
     out = capsys.readouterr().out
     assert "1: 0.400 -> 0.200, recall 0.8500 (base 0.9100, price 0.300)" in out and "cut 0.200, raise 0.200" in out
+    assert "Rank-seconds over the epoch (every rank's forward and backward): 4.5" in out
     assert "at the epoch's start" not in out  # the run kept no calibrated state
     state = tmp_path / "sparsebalance-round0" / "calibrated_state.json"
     state.parent.mkdir()

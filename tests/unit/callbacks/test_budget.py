@@ -37,7 +37,7 @@ def _views(model, p, density=0.9):
 def test_straggler_goes_sparser_fast_rank_denser_within_p(model, p):
     views = _views(model, p)
     anchor = anchor_time([v.base for v in views], "mean")
-    slow, fast = (rank_budget(model, lengths, v, anchor, p, BASE) for lengths, v in zip((LONG, SHORT), views))
+    slow, fast = (rank_budget(v, anchor, p, BASE) for v in views)
     assert slow.shift < 0 < fast.shift
     for rb in (slow, fast):
         for b in rb.budgets:
@@ -61,7 +61,7 @@ def test_straggler_stops_at_min_density(model):
     p = 0.1
     views = [outlook(model, lengths, [0.9] * len(lengths), p, min_density=0.6) for lengths in (LONG, SHORT)]
     anchor = anchor_time([v.base for v in views], "min")
-    slow = rank_budget(model, LONG, views[0], anchor, p, BASE)
+    slow = rank_budget(views[0], anchor, p, BASE)
     assert views[0].floor == 0.6 and views[0].low > anchor
     assert slow.density == pytest.approx(0.6)
     assert slow.budgets[0].density_scale == pytest.approx(0.6 / views[0].density)
@@ -73,14 +73,14 @@ def test_per_row_base_cap_stays_for_a_straggler_and_rises_for_a_fast_rank(model)
     base = [LayerBudget(TAU0, 0.5)] * 4
     views = _views(model, p, density=0.5)
     anchor = anchor_time([v.base for v in views], "mean")
-    slow, fast = (rank_budget(model, lengths, v, anchor, p, base) for lengths, v in zip((LONG, SHORT), views))
+    slow, fast = (rank_budget(v, anchor, p, base) for v in views)
     assert slow.budgets[0].max_density == 0.5
     assert fast.budgets[0].max_density == pytest.approx(0.5 + fast.shift * p)
 
 
 def test_static_budget_at_p_zero(model):
     views = _views(model, 0.0)
-    rb = rank_budget(model, LONG, views[0], 0.0, 0.0, BASE)
+    rb = rank_budget(views[0], 0.0, 0.0, BASE)
     assert rb.shift == 0 and rb.budgets == BASE
 
 
@@ -88,8 +88,8 @@ def test_shift_moves_at_most_one_unit_per_step(model):
     p = 0.1
     views = _views(model, p)
     anchor = anchor_time([v.base for v in views], "min")
-    free = rank_budget(model, LONG, views[0], anchor, p, BASE)
-    limited = rank_budget(model, LONG, views[0], anchor, p, BASE, previous_shift=1.0)
+    free = rank_budget(views[0], anchor, p, BASE)
+    limited = rank_budget(views[0], anchor, p, BASE, previous_shift=1.0)
     assert free.shift == pytest.approx(-1.0) and limited.shift == pytest.approx(0.0)
 
 
@@ -157,7 +157,7 @@ def test_a_raise_that_keeps_every_candidate_is_priced_up_to_the_anchor(model):
     assert bounded.density_at(anchor) == pytest.approx(bounded.density + p)
     assert dense.density_at(anchor) > bounded.density + 2 * p
     base = [LayerBudget(0.9)]
-    moves = [rank_budget(model, lengths, view, anchor, p, base) for view in (bounded, dense)]
+    moves = [rank_budget(view, anchor, p, base) for view in (bounded, dense)]
     assert moves[0].budgets == moves[1].budgets and moves[0].shift == moves[1].shift == 1.0
     assert moves[1].density == pytest.approx(model.density_for(lengths, anchor, clip=True))  # what it will keep
     static = outlook(model, lengths, [0.3] * 2, 0.0, raises_to_dense=True)
