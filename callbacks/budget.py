@@ -4,8 +4,10 @@ Every rank predicts its micro-batch's time at the base budget and at the ends of
 ranks share these few numbers, and all agree on an anchor time A. Each rank then moves toward A: its
 density target is the density at which its predicted time equals A. The move becomes a ``LayerBudget``:
 
-- tau moves by the same amount as the density target, within [tau0 - p, tau0 + p]; it sets the accuracy
-  floor where attention is sharp;
+- a fast rank's tau rises by the same amount as its density target, up to tau0 + p; it sets the accuracy
+  floor where attention is sharp. A straggler's tau stays at tau0 and its scale alone cuts: a lower tau made
+  the per-row top-p keep fewer tiles than the scale allows, so stragglers were cut 1.2-1.7x deeper than the
+  move the cost model priced and planned (docs/RESULTS.md, eleventh pass);
 - ``density_scale`` bounds the layer's kept tiles relative to what the base budget keeps there, by the
   ratio of the density at which the rank would reach the anchor to its base density: it is what
   guarantees the time. A straggler's scale is not bounded by p (its target goes down to a floor,
@@ -33,7 +35,6 @@ Anchor = Literal["mean", "median", "min", "max", "adaptive"]
 ANCHORS: tuple[str, ...] = ("mean", "median", "min", "max", "adaptive")
 #: The anchors that are a fixed statistic of the ranks' predicted base times.
 FIXED_ANCHORS: tuple[str, ...] = ("min", "median", "mean", "max")
-MIN_TAU = 0.01
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,8 @@ def rank_budget(
     """This rank's budgets for moving its predicted time toward ``anchor`` (module docstring).
 
     The density target inverts the latency model exactly (``Outlook.density_at``). After the first step the shift
-    of tau moves by at most 1 (tau by at most p) from ``previous_shift``, so tau cannot oscillate by more.
+    moves by at most 1 from ``previous_shift``, so tau cannot oscillate by more than p; tau follows only a
+    positive shift (a straggler keeps tau0).
     With p = 0 the base budgets are returned unchanged (the static baseline).
     """
     if p <= 0:
@@ -195,7 +197,7 @@ def rank_budget(
     shift = float(np.clip((target - view.density) / p, -1.0, 1.0))
     if previous_shift is not None:
         shift = float(np.clip(shift, previous_shift - 1.0, previous_shift + 1.0))
-    taus = [float(np.clip(b.tau + shift * p, MIN_TAU, 1.0)) for b in base]
+    taus = [min(b.tau + max(shift, 0.0) * p, 1.0) for b in base]
     if abs(target - view.density) <= 1e-9:  # at the anchor already: tau may still be settling back
         return RankBudget(shift, target, [replace(b, tau=tau) for tau, b in zip(taus, base)])
     ceiling = target if target < view.density else view.density_for(anchor)
