@@ -4,8 +4,8 @@ the step's time and its ranks' spread, token-weighted exact recall, and what DST
 Per step: the slowest and the mean rank's seconds, the step's recall, and the ranks DST cut and raised (a rank
 counts as moved where its mean density differs from its base budget's by ``MIN_MOVE`` or more), each group with
 its mean density against the base budget's, its mean exact recall (and the base budget's, where the run
-measured it on the same rows: the price of the group's move is their difference per unit of density) and its
-estimated recall against the base budget's. Packs of one document of the run's longest length, at their base
+measured it on the same rows: the price of the group's move is their difference per unit of ``log_move``, the
+unit the adaptive anchor prices in) and its estimated recall against the base budget's. Packs of one document of the run's longest length, at their base
 budget, are summed up per variant too, with what the price probes measured on them where the run had them, and
 the recall prices by length the variant's epoch started from (its ``calibrated_state.json``)::
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import end_to_end
 
-from sparsebalance_pl.cost.recall import RecallPrices, length_class
+from sparsebalance_pl.cost.recall import RecallPrices, length_class, log_move
 
 #: As the adaptive anchor's prices (``RecallPrices.MIN_MOVE``): smaller differences are rounding of kept tiles.
 MIN_MOVE = 1e-3
@@ -55,23 +55,24 @@ def _moved(report: dict) -> float:
 
 def group(reports: list[dict]) -> dict:
     """Count, mean density, base density, exact recall, base exact recall (None where not measured) and the
-    exact price per unit of density of a group of ranks' reports."""
+    exact price (per unit of ``log_move``, as the adaptive anchor's) of a group of ranks' reports."""
     base_recall = [r["base_recall"] for r in reports if r.get("base_recall") is not None]
-    probes = [r["probe_moves"] for r in reports if r.get("probe_moves")]
+    probes = [(_density(r, "base_density"), r["probe_moves"]) for r in reports if r.get("probe_moves")]
     summary = {"ranks": len(reports), "density": _mean([_density(r) for r in reports]),
                "base_density": _mean([_density(r, "base_density") for r in reports if r.get("base_density")]),
                "recall": _mean([r["recall"] for r in reports]), "base_recall": None, "price": None,
                "estimated_recall": _mean([_density(r, "estimated_recall") for r in reports]),
                "base_estimated_recall": _mean([_density(r, "base_estimated_recall") for r in reports
                                                if r.get("base_estimated_recall")]),
-               # the price probes' (cut, raise) exact recall per unit of density, over the group's ranks
-               "probe_prices": [sum(p[i][1] for p in probes) / sum(p[i][0] for p in probes) for i in (0, 1)]
-               if probes else None}
+               # the price probes' (cut, raise) exact recall per unit of log_move, over the group's ranks
+               "probe_prices": [sum(m[i][1] for _, m in probes) / sum(log_move(b, b + m[i][0]) for b, m in probes)
+                                for i in (0, 1)] if probes else None}
     if reports and len(base_recall) == len(reports):
         summary["base_recall"] = _mean(base_recall)
         moved = summary["density"] - summary["base_density"]
         if abs(moved) >= MIN_MOVE:
-            summary["price"] = (summary["recall"] - summary["base_recall"]) / moved
+            summary["price"] = (summary["recall"] - summary["base_recall"]) / log_move(summary["base_density"],
+                                                                                       summary["density"])
     return summary
 
 
@@ -145,10 +146,10 @@ def replayed_decision(run: Path, name: str, step: int) -> dict:
         recall = report["recall"] - report["base_recall"]
         ranks.append({"tokens": n, "class": length_class(record["lengths"]), "rho0": view.density,
                       "target": budget.density, "base_density": base_density, "density": used, "price": price,
-                      "measured_price": recall / moved if abs(moved) >= MIN_MOVE else None,
+                      "measured_price": recall / log_move(base_density, used) if abs(moved) >= MIN_MOVE else None,
                       "predicted_s": float(seconds.predicted[r]), "measured_s": float(seconds.measured[r]),
                       "rank_s": done["rank_s"][r]})
-        predicted += n * price * planned
+        predicted += n * price * log_move(view.density, budget.density)
         measured += n * recall
         tokens += n
     return {"anchor": decision.anchor, "ranks": ranks, "predicted": predicted / tokens, "measured": measured / tokens,
@@ -217,7 +218,7 @@ def main(argv=None) -> None:
         alone = longest_alone(variant, longest)
         if alone["ranks"]:
             probes = "" if alone["probe_prices"] is None else (
-                ", the price probes' exact recall per unit of density: cut {:.3f}, raise {:.3f}"
+                ", the price probes' exact recall per unit of log_move: cut {:.3f}, raise {:.3f}"
                 .format(*alone["probe_prices"]))
             print(f"\nPacks of one {longest}-token document at the base budget: {alone['ranks']}, density "
                   f"{alone['density']:.3f}, exact recall {alone['recall']:.4f}, estimated "
@@ -225,7 +226,7 @@ def main(argv=None) -> None:
         print(f"\nRank-seconds over the epoch (every rank's forward and backward): "
               f"{sum(sum(step['rank_s']) for step in variant['steps']):.1f}")
         if prices := starting_prices(args.run, name):
-            print("\nRecall prices per unit of density at the epoch's start (cut, raise), by the pack's tile-weighted "
+            print("\nRecall prices per unit of log_move at the epoch's start (cut, raise), by the pack's tile-weighted "
                   "length: " + "; ".join(f"2^{key} {cut:.3f}, {raised:.3f}" for key, (cut, raised) in prices.items()))
         print()
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from sparsebalance_pl.kernels.selection import LayerBudget
 from sparsebalance_pl.cost.latency import LatencyModel
+from sparsebalance_pl.cost.recall import log_move
 
 Anchor = Literal["mean", "median", "min", "max", "adaptive"]
 ANCHORS: tuple[str, ...] = ("mean", "median", "min", "max", "adaptive")
@@ -124,10 +125,10 @@ def recall_drop(
     outlooks: Sequence[Outlook], anchor: float, prices: Sequence[tuple[float, float]], margin: float = 0.0
 ) -> float:
     """Predicted token-weighted loss of recall against the base budget once every rank moved toward ``anchor``
-    (fast ranks to ``target_time``); ``prices``: per rank, the recall its documents lose per unit of density cut
-    and gain per unit raised (``RecallPrices.prices``)."""
+    (fast ranks to ``target_time``); ``prices``: per rank, the recall its documents lose per unit cut and gain
+    per unit raised (``RecallPrices.prices``, units of ``log_move``)."""
     tokens = np.array([o.tokens for o in outlooks])
-    change = np.array([o.density_at(target_time(o, anchor, margin)) - o.density for o in outlooks])
+    change = np.array([log_move(o.density, o.density_at(target_time(o, anchor, margin))) for o in outlooks])
     cut, raised = np.asarray(prices, dtype=np.float64).T
     gained = cut * np.minimum(change, 0.0) + raised * np.maximum(change, 0.0)
     return float(-(tokens * gained).sum() / max(tokens.sum(), 1.0))
@@ -140,8 +141,8 @@ def adaptive_anchor(
     within ``tolerance`` (fast ranks aiming at ``target_time`` with ``margin``).
 
     The step lasts as long as the slowest rank; a lower anchor shortens it but makes stragglers sparser and
-    fast ranks less dense. ``prices`` (per rank, recall lost per unit of density cut and gained per unit raised,
-    both at least 0, as measured on documents of its lengths) say what that costs. The predicted loss falls as
+    fast ranks less dense. ``prices`` (per rank, recall lost per unit cut and gained per unit raised, in units of
+    ``log_move``, both at least 0, as measured on documents of its lengths) say what that costs. The predicted loss falls as
     the anchor rises and is at most 0 at the slowest base time (no rank gets sparser), so bisection finds the
     lowest anchor within the allowance; where no cut costs recall, recall does not favour a higher anchor, and
     it is the fastest.

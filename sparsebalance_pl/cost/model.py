@@ -113,11 +113,14 @@ class SparsityReport:
             return None
         return density, self.mean_estimated_recall - sum(self.base_estimated_recall) / len(self.base_estimated_recall)
 
-    def priced_moves(self) -> list[tuple[float, float]]:
-        """Every move of density this report prices against its base budget: the budget used (``moved``) and the
-        price probes."""
+    def priced_moves(self) -> list[tuple[float, float, float]]:
+        """Every move of density this report prices against its base budget, as (base density, density moved,
+        recall gained): the budget used (``moved``) and the price probes."""
+        if self.base_density is None:
+            return []
+        base = sum(self.base_density) / len(self.base_density)
         moved = self.moved()
-        return ([] if moved is None else [moved]) + [tuple(move) for move in self.probe_moves or ()]
+        return [(base, *move) for move in ([] if moved is None else [moved]) + list(self.probe_moves or ())]
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,11 @@ short documents 0.134 (docs/RESULTS.md, tenth pass), and priced at the pooled fi
 0.0036 of recall that the anchor predicted free. So prices are kept per length class of the pack: the octave of
 the length where its causal tiles lie (``length_class``), since that is where a cut of its tiles falls.
 
+A price is per unit of ``log_move``, rho0 ln(rho / rho0) for a move from density rho0 to rho, not per unit of
+density: recall is concave in density, so a unit of density cut costs more the deeper the cut and a unit raised
+buys less the larger the raise, and DST's raises of 2-3.4x were priced too high from the probes' 2x raises
+(docs/RESULTS.md, eleventh and twelfth passes). Near rho0 the two units agree.
+
 Each report prices the moves it measured against its own base budget (``SparsityReport.priced_moves``: DST's
 move, and the price probes' cut and raise where recall is measured), so a class is priced on the first pack of
 its length, before DST moves one: the density calibration's forwards price every length before the first step.
@@ -20,6 +25,12 @@ from typing import Any
 import numpy as np
 
 
+def log_move(base: float, density: float) -> float:
+    """The size of a move of density from ``base`` to ``density`` that prices are kept per: base x ln(density /
+    base), the density moved where the move is small (module docstring)."""
+    return base * float(np.log(density / base))
+
+
 def length_class(lengths: Sequence[int]) -> int:
     """The octave of the tile-weighted length of a pack (sum n^3 / sum n^2): a document of n tokens holds about
     n^2 / 2 causal tiles, so the pack's tiles, and the cuts of them, lie mostly in its longest documents."""
@@ -30,13 +41,13 @@ def length_class(lengths: Sequence[int]) -> int:
 
 
 class RecallPrices:
-    """Recall lost per unit of density cut and gained per unit raised, per length class of the pack.
+    """Recall lost per unit cut and gained per unit raised (units of ``log_move``), per length class of the pack.
 
     Cuts and raises are priced apart: a straggler's cut drops the blocks of least mass across its layer, a fast
     rank's raise adds the next blocks of its rows, and where attention is sharp the two prices differ. Each class
     keeps exponentially weighted sums of the density moved and the recall it cost or bought, forgotten only as
     that class is measured again (a length seen once an epoch keeps its price), and shrunk toward ``prior`` by
-    ``prior_weight`` units of density moved. A class never measured is priced at the prior: 1.0, recall following
+    ``prior_weight`` units moved. A class never measured is priced at the prior: 1.0, recall following
     density as in the near-uniform regime, is the cautious one for a cut.
     """
 
@@ -47,22 +58,23 @@ class RecallPrices:
         self.prior, self.decay, self.prior_weight = prior, decay, prior_weight
         self.moments: dict[int, np.ndarray] = {}  # class -> rows cut, raise; columns density moved, recall
 
-    def observe(self, packs: Sequence[tuple[Sequence[int], Sequence[tuple[float, float]]]]) -> None:
-        """Learn from one step's packs: each one's lengths and its moves, (density, recall) against its base
-        budget."""
+    def observe(self, packs: Sequence[tuple[Sequence[int], Sequence[tuple[float, float, float]]]]) -> None:
+        """Learn from one step's packs: each one's lengths and its moves, (base density, density moved, recall
+        gained) against its base budget."""
         steps: dict[int, np.ndarray] = {}
         for lengths, moves in packs:
-            taught = [(density, recall) for density, recall in moves if abs(density) >= self.MIN_MOVE]
+            taught = [(base, moved, recall) for base, moved, recall in moves
+                      if abs(moved) >= self.MIN_MOVE and base > 0 and base + moved > 0]
             if taught:
                 step = steps.setdefault(length_class(lengths), np.zeros((2, 2)))
-                for density, recall in taught:
-                    step[int(density > 0)] += [abs(density), recall * np.sign(density)]
+                for base, moved, recall in taught:
+                    step[int(moved > 0)] += [abs(log_move(base, base + moved)), recall * np.sign(moved)]
         for key, step in steps.items():
             self.moments[key] = self.decay * self.moments.get(key, np.zeros((2, 2))) + step
 
     def prices(self, lengths: Sequence[int]) -> tuple[float, float]:
-        """(recall lost per unit of density cut, recall gained per unit raised) for a pack of ``lengths``, each
-        at least 0."""
+        """(recall lost per unit cut, recall gained per unit raised; units of ``log_move``) for a pack of
+        ``lengths``, each at least 0."""
         return self._prices(length_class(lengths))
 
     def by_class(self) -> dict[int, tuple[float, float]]:

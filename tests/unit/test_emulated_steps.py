@@ -1,6 +1,7 @@
 """benchmarks/emulated_steps.py: per-step figures read off an emulated run's results.json."""
 
 import json
+import math
 import sys
 
 import pytest
@@ -24,14 +25,16 @@ def test_moved_ranks_are_grouped_and_priced_on_the_same_rows(tmp_path, capsys):
         {"step_s": 2.0, "rank_s": [2.0, 1.0, 1.5], "rounds": [{"records": records}]}]}}}
     (tmp_path / "results.json").write_text(json.dumps(run))
     row = emulated_steps.step_rows(run["variants"]["sparsebalance"])[0]
-    assert row["cut"]["ranks"] == 1 and row["cut"]["price"] == pytest.approx(0.3)
-    assert row["raised"]["ranks"] == 1 and row["raised"]["price"] == pytest.approx(0.2)
+    # prices per unit of log_move, rho0 ln(rho / rho0): halving and doubling are moves of rho0 ln 2
+    assert row["cut"]["ranks"] == 1 and row["cut"]["price"] == pytest.approx(0.06 / (0.4 * math.log(2)))
+    assert row["raised"]["ranks"] == 1 and row["raised"]["price"] == pytest.approx(0.06 / (0.3 * math.log(2)))
     assert row["recall"] == pytest.approx((4096 * 0.85 + 2048 * 0.98 + 4096 * 0.92) / 10240)
     alone = emulated_steps.longest_alone(run["variants"]["sparsebalance"], 4096)
-    assert alone["ranks"] == 1 and alone["probe_prices"] == pytest.approx([0.2, 0.2])
+    assert alone["ranks"] == 1
+    assert alone["probe_prices"] == pytest.approx([0.02 / (0.4 * -math.log(0.75)), 0.08 / (0.4 * math.log(2))])
     emulated_steps.main([str(tmp_path)])
     out = capsys.readouterr().out
-    assert "1: 0.400 -> 0.200, recall 0.8500 (base 0.9100, price 0.300)" in out and "cut 0.200, raise 0.200" in out
+    assert "1: 0.400 -> 0.200, recall 0.8500 (base 0.9100, price 0.216)" in out and "cut 0.174, raise 0.289" in out
     assert "Rank-seconds over the epoch (every rank's forward and backward): 4.5" in out
     assert "at the epoch's start" not in out  # the run kept no calibrated state
     state = tmp_path / "sparsebalance-round0" / "calibrated_state.json"

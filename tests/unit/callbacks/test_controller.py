@@ -129,9 +129,10 @@ def test_the_adaptive_anchor_prices_cuts_and_raises_apart_from_the_moves_made():
     def teach(cut: SparsityReport, raise_: SparsityReport) -> None:
         for _ in range(40):
             cost.recall_prices.observe([(ls, (cut if r == 0 else raise_).priced_moves()) for r, ls in enumerate(MIXED)])
-    teach(_report(0.2, 0.85, 0.3, 0.90), _report(0.6, 0.99, 0.3, 0.90))  # cut: 0.5 per density; raise: 0.3
+    # per unit of log_move (0.3 ln(rho / 0.3)): cut 0.41, raise 0.29
+    teach(_report(0.2, 0.85, 0.3, 0.90), _report(0.6, 0.96, 0.3, 0.90))
     assert controller.plan(MIXED).anchor > even  # raises buy less than cuts cost: a higher anchor keeps recall
-    teach(_report(0.2, 0.85, 0.3, 0.90), _report(0.4, 0.99, 0.3, 0.90))  # raise: 0.9
+    teach(_report(0.2, 0.85, 0.3, 0.90), _report(0.4, 0.99, 0.3, 0.90))  # raise: 1.04
     assert controller.plan(MIXED).anchor < even
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from sparsebalance_pl.cost import CostModel, LatencyModel, RecallPrices, SparsityReport, StepRecord
-from sparsebalance_pl.cost.recall import length_class
+from sparsebalance_pl.cost.recall import length_class, log_move
 from sparsebalance_pl.model import PRESETS
 
 
@@ -21,24 +21,46 @@ def test_a_pack_is_classed_by_where_its_tiles_lie():
     assert length_class([]) == 0 and length_class([0, 1]) == 0
 
 
-def _shrunk(price: float, density: float, steps: int) -> float:
-    """The price learned from ``steps`` equal moves of ``density``, shrunk toward the prior 1.0 by 0.05 units."""
-    moved = density * (1 - 0.95**steps) / 0.05
+def _shrunk(price: float, size: float, steps: int) -> float:
+    """The price learned from ``steps`` equal moves of ``size`` (units of ``log_move``), shrunk toward the prior
+    1.0 by 0.05 units."""
+    moved = size * (1 - 0.95**steps) / 0.05
     return (price * moved + 0.05) / (moved + 0.05)
+
+
+def _size(base: float, moved: float) -> float:
+    return abs(log_move(base, base + moved))
+
+
+def test_a_move_is_sized_in_log_density():
+    """Near the base a move's size is the density moved; far from it a cut counts more and a raise less."""
+    assert log_move(0.3, 0.301) == pytest.approx(0.001, rel=1e-3)
+    assert log_move(0.3, 0.15) == pytest.approx(-0.3 * 0.6931, rel=1e-4) and log_move(0.3, 0.15) < -0.15
+    assert 0 < log_move(0.3, 0.9) < 0.6
+    # Recall that follows log density: a price learned from 2x raises and 0.55x cuts prices a 3x raise and a
+    # 0.4x cut exactly, where a price per unit of density would not.
+    prices = RecallPrices(decay=1.0, prior_weight=1e-9)
+    prices.observe([([4096], [(0.3, -0.135, 0.2 * log_move(0.3, 0.165)), (0.3, 0.3, 0.2 * log_move(0.3, 0.6))])])
+    cut, raised = prices.prices([4096])
+    assert cut == pytest.approx(0.2) and raised == pytest.approx(0.2)
+    assert raised * log_move(0.3, 0.9) == pytest.approx(0.2 * log_move(0.3, 0.9))
 
 
 def test_each_length_is_priced_from_its_own_packs_and_kept_while_others_are_measured():
     prices = RecallPrices()
     assert prices.prices([16384]) == (1.0, 1.0)  # never measured: the cautious prior
     for _ in range(60):
-        prices.observe([([16384], [(-0.1, -0.03), (0.2, 0.04)]), ([2048] * 8, [(-0.1, -0.01)])])
+        prices.observe([([16384], [(0.3, -0.1, -0.03), (0.3, 0.2, 0.04)]), ([2048] * 8, [(0.3, -0.1, -0.01)])])
     long = prices.prices([16384])
-    assert long == pytest.approx((_shrunk(0.3, 0.1, 60), _shrunk(0.2, 0.2, 60)))
-    assert prices.prices([2048] * 8) == pytest.approx((_shrunk(0.1, 0.1, 60), 1.0))  # no raise measured there
+    cut, raise_ = _size(0.3, -0.1), _size(0.3, 0.2)
+    assert long == pytest.approx((_shrunk(0.03 / cut, cut, 60), _shrunk(0.04 / raise_, raise_, 60)))
+    # no raise measured there: the prior
+    assert prices.prices([2048] * 8) == pytest.approx((_shrunk(0.01 / cut, cut, 60), 1.0))
     for _ in range(200):  # only short packs for a long while: the long ones keep their price
-        prices.observe([([2048] * 8, [(-0.1, -0.01), (0.0005, 0.3)])])  # a move below MIN_MOVE teaches nothing
+        # a move below MIN_MOVE teaches nothing
+        prices.observe([([2048] * 8, [(0.3, -0.1, -0.01), (0.3, 0.0005, 0.3)])])
     assert prices.prices([16384]) == long
-    assert prices.prices([2048] * 8) == pytest.approx((_shrunk(0.1, 0.1, 260), 1.0))
+    assert prices.prices([2048] * 8) == pytest.approx((_shrunk(0.01 / cut, cut, 260), 1.0))
     restored = RecallPrices()
     restored.load_state_dict(json.loads(json.dumps(prices.state_dict())))
     assert restored.prices([16384]) == long and restored.moments.keys() == prices.moments.keys()
@@ -48,14 +70,17 @@ def test_the_cost_model_learns_prices_from_steps_and_calibration_and_checkpoints
     """Probes price density in steps where no rank moved, and a calibration pass prices before the first step."""
     cost = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16))
     cost.observe_attention([StepRecord([16384], _probed((-0.15, -0.045), (0.3, 0.06)))])
-    # one probe of each, shrunk toward the prior 1.0 by 0.05 units of density
-    assert cost.recall_prices.prices([16384]) == pytest.approx((0.095 / 0.2, 0.11 / 0.35))
+    # one probe of each (base density 0.3), shrunk toward the prior 1.0 by 0.05 units
+    size = _size(0.3, 0.3)  # a cut to half and a raise to double are the same size
+    assert cost.recall_prices.prices([16384]) == pytest.approx((0.095 / (size + 0.05), 0.11 / (size + 0.05)))
     for _ in range(40):
         cost.observe([StepRecord([1024], _probed((-0.09, -0.027), (0.3, 0.04)))] * 4)
     cut, raised = cost.recall_prices.prices([1024])  # four ranks' probes a step
-    assert (cut, raised) == pytest.approx((_shrunk(0.3, 0.36, 40), _shrunk(0.4 / 3, 1.2, 40)))
+    assert (cut, raised) == pytest.approx((_shrunk(0.027 / _size(0.3, -0.09), 4 * _size(0.3, -0.09), 40),
+                                           _shrunk(0.04 / size, 4 * size, 40)))
     moved = SparsityReport([0.2] * 4, [0.85] * 4, [0.3], 0.1, base_density=[0.3] * 4, base_estimated_recall=[0.9] * 4)
-    assert moved.priced_moves() == [pytest.approx((-0.1, -0.05))]  # the estimate, where recall is not measured
+    # the estimate, where recall is not measured
+    assert moved.priced_moves() == [pytest.approx((0.3, -0.1, -0.05))]
     restored = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16))
     restored.load_state_dict(json.loads(json.dumps(cost.state_dict())))
     assert restored.recall_prices.prices([1024]) == (cut, raised)
