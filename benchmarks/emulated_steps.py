@@ -5,9 +5,10 @@ Per step: the slowest and the mean rank's seconds, the step's recall, and the ra
 counts as moved where its mean density differs from its base budget's by ``MIN_MOVE`` or more), each group with
 its mean density against the base budget's, its mean exact recall (and the base budget's, where the run
 measured it on the same rows: the price of the group's move is their difference per unit of ``log_move``, the
-unit the adaptive anchor prices in) and its estimated recall against the base budget's. Packs of one document of the run's longest length, at their base
-budget, are summed up per variant too, with what the price probes measured on them where the run had them, and
-the recall prices by length the variant's epoch started from (its ``calibrated_state.json``)::
+unit the adaptive anchor prices in) and its estimated recall against the base budget's. Packs of one document of
+the run's longest length, at their base budget, are summed up per variant too, with what the price probes measured
+on them where the run had them, and the recall prices by length the variant's epoch started from (its
+``calibrated_state.json``)::
 
     python benchmarks/emulated_steps.py outputs/e2e_32f_probes
 

@@ -142,10 +142,10 @@ def adaptive_anchor(
 
     The step lasts as long as the slowest rank; a lower anchor shortens it but makes stragglers sparser and
     fast ranks less dense. ``prices`` (per rank, recall lost per unit cut and gained per unit raised, in units of
-    ``log_move``, both at least 0, as measured on documents of its lengths) say what that costs. The predicted loss falls as
-    the anchor rises and is at most 0 at the slowest base time (no rank gets sparser), so bisection finds the
-    lowest anchor within the allowance; where no cut costs recall, recall does not favour a higher anchor, and
-    it is the fastest.
+    ``log_move``, both at least 0, as measured on documents of its lengths) say what that costs. The predicted
+    loss falls as the anchor rises and is at most 0 at the slowest base time (no rank gets sparser), so bisection
+    finds the lowest anchor within the allowance; where no cut costs recall, recall does not favour a higher
+    anchor, and it is the fastest.
     """
     base = [o.base for o in outlooks]
     low, high = min(base), max(base)

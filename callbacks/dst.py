@@ -45,11 +45,11 @@ class DynamicSparsityTuning(Callback):
     the fastest and the slowest rank's predicted base time, 0 to 1), ``dst/anchor_drift`` (its move since the
     previous step on that step's documents: what learning moved, apart from the workload),
     ``dst/recall_per_density_cut`` and ``dst/recall_per_density_raised`` (the adaptive anchor's learned prices
-    of density, per unit of ``log_move``, on the documents of the rank predicted slowest, ``RecallPrices``), ``dst/prediction_error`` (the
-    cost model's recent error, which sets the deadband) and ``dst/confidence`` (the share of a move it allows),
-    ``dst/predicted_imbalance_base`` and ``dst/predicted_imbalance`` (whole step, base and chosen budgets),
-    ``dst/measured_imbalance`` (attention calls), and per rank ``dst/rank{r}/{predicted_base_s,predicted_s}``
-    (whole step),
+    of density, per unit of ``log_move``, on the documents of the rank predicted slowest, ``RecallPrices``),
+    ``dst/prediction_error`` (the cost model's recent error, which sets the deadband) and ``dst/confidence`` (the
+    share of a move it allows), ``dst/predicted_imbalance_base`` and ``dst/predicted_imbalance`` (whole step,
+    base and chosen budgets), ``dst/measured_imbalance`` (attention calls), and per rank
+    ``dst/rank{r}/{predicted_base_s,predicted_s}`` (whole step),
     ``dst/rank{r}/{tau,max_density,density_scale,density,estimated_recall,recall,speed}`` and
     ``latency/rank{r}/{predicted_s,measured_s}`` (attention calls). Per epoch: ``dst/balance_efficiency``
     (sum of mean over sum of max measured attention time) and ``dst/mean_recall`` (token-weighted).

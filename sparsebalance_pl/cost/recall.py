@@ -45,10 +45,10 @@ class RecallPrices:
 
     Cuts and raises are priced apart: a straggler's cut drops the blocks of least mass across its layer, a fast
     rank's raise adds the next blocks of its rows, and where attention is sharp the two prices differ. Each class
-    keeps exponentially weighted sums of the density moved and the recall it cost or bought, forgotten only as
-    that class is measured again (a length seen once an epoch keeps its price), and shrunk toward ``prior`` by
-    ``prior_weight`` units moved. A class never measured is priced at the prior: 1.0, recall following
-    density as in the near-uniform regime, is the cautious one for a cut.
+    keeps exponentially weighted sums of the size moved (``log_move``) and the recall it cost or bought,
+    forgotten only as that class is measured again (a length seen once an epoch keeps its price), and shrunk
+    toward ``prior`` by ``prior_weight`` units moved. A class never measured is priced at the prior: 1.0, recall
+    following density as in the near-uniform regime, is the cautious one for a cut.
     """
 
     #: Moves smaller than this (in density) teach nothing: rounding of the kept tiles, not a budget's change.
@@ -56,7 +56,7 @@ class RecallPrices:
 
     def __init__(self, prior: float = 1.0, decay: float = 0.95, prior_weight: float = 0.05) -> None:
         self.prior, self.decay, self.prior_weight = prior, decay, prior_weight
-        self.moments: dict[int, np.ndarray] = {}  # class -> rows cut, raise; columns density moved, recall
+        self.moments: dict[int, np.ndarray] = {}  # class -> rows cut, raise; columns size moved, recall
 
     def observe(self, packs: Sequence[tuple[Sequence[int], Sequence[tuple[float, float, float]]]]) -> None:
         """Learn from one step's packs: each one's lengths and its moves, (base density, density moved, recall
