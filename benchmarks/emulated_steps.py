@@ -100,14 +100,14 @@ def longest_alone(variant: dict, longest: int) -> dict:
                   if record["lengths"] == [longest] and abs(_moved(record["report"])) < MIN_MOVE])
 
 
-def starting_prices(run: Path, name: str) -> dict[int, tuple[float, float]]:
-    """The (cut, raise) recall prices per length class (log2 of a pack's tile-weighted length) that the cost
-    model held when the variant's epoch started; empty where the run kept no such state."""
+def starting_prices(run: Path, name: str) -> RecallPrices:
+    """The recall prices that the cost model held when the variant's epoch started; none measured where the run
+    kept no such state."""
     path = end_to_end.run_folder(run, name, 0) / end_to_end.CALIBRATED_STATE
     state = json.loads(path.read_text())["cost_model"].get("recall_prices", {}) if path.exists() else {}
     prices = RecallPrices()
     prices.load_state_dict(state)
-    return prices.by_class()
+    return prices
 
 
 def replayed_decision(run: Path, name: str, step: int) -> dict:
@@ -226,9 +226,13 @@ def main(argv=None) -> None:
                   f"{alone['estimated_recall']:.4f}{probes}")
         print(f"\nRank-seconds over the epoch (every rank's forward and backward): "
               f"{sum(sum(step['rank_s']) for step in variant['steps']):.1f}")
-        if prices := starting_prices(args.run, name):
-            print("\nRecall prices per unit of log_move at the epoch's start (cut, raise), by the pack's tile-weighted "
-                  "length: " + "; ".join(f"2^{key} {cut:.3f}, {raised:.3f}" for key, (cut, raised) in prices.items()))
+        prices = starting_prices(args.run, name)
+        if evidence := prices.evidence():
+            print(f"\nRecall prices per unit of log_move at the epoch's start (cut, raise; in brackets the units "
+                  f"measured, against the prior's {prices.prior_weight:g}), by the pack's tile-weighted length: "
+                  + "; ".join(f"2^{key} {cut:.3f} ({cut_units:.2f}), {raised:.3f} ({raised_units:.2f})"
+                              for (key, (cut, raised)), (cut_units, raised_units)
+                              in zip(prices.by_class().items(), evidence.values())))
         print()
 
 

@@ -81,6 +81,11 @@ class RecallPrices:
         """The prices of every length class measured so far (``length_class``), in class order."""
         return {key: self._prices(key) for key in sorted(self.moments)}
 
+    def evidence(self) -> dict[int, tuple[float, float]]:
+        """The units of ``log_move`` (cut, raised) that each measured class's prices rest on, decayed as learned,
+        in class order: against ``prior_weight`` they say how much of a price is the prior's."""
+        return {key: (float(self.moments[key][0, 0]), float(self.moments[key][1, 0])) for key in sorted(self.moments)}
+
     def _prices(self, key: int) -> tuple[float, float]:
         moments = self.moments.get(key, np.zeros((2, 2)))
         moved, priced = moments[:, 0], moments[:, 1]

@@ -41,4 +41,6 @@ def test_moved_ranks_are_grouped_and_priced_on_the_same_rows(tmp_path, capsys):
     state.parent.mkdir()
     state.write_text(json.dumps({"cost_model": {"recall_prices": {"12": [[0.95, 0.285], [0.0, 0.0]]}}}))
     emulated_steps.main([str(tmp_path)])
-    assert "(cut, raise), by the pack's tile-weighted length: 2^12 0.335, 1.000" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(cut, raise; in brackets the units measured, against the prior's 0.05)" in out
+    assert "by the pack's tile-weighted length: 2^12 0.335 (0.95), 1.000 (0.00)" in out
