@@ -54,6 +54,12 @@ def _moved(report: dict) -> float:
     return _density(report) - _density(report, "base_density") if report.get("base_density") else 0.0
 
 
+def _kind(report: dict) -> str:
+    """Whether DST cut, raised or left the report's rank (``MIN_MOVE``)."""
+    moved = _moved(report)
+    return "cut" if moved <= -MIN_MOVE else "raised" if moved >= MIN_MOVE else "unmoved"
+
+
 def group(reports: list[dict]) -> dict:
     """Count, mean density, base density, exact recall, base exact recall (None where not measured) and the
     exact price (per unit of ``log_move``, as the adaptive anchor's) of a group of ranks' reports."""
@@ -87,8 +93,8 @@ def step_rows(variant: dict) -> list[dict]:
             "step": i, "step_s": step["step_s"], "max_s": max(step["rank_s"]), "mean_s": _mean(step["rank_s"]),
             "recall": sum(t * r["recall"] for t, r in zip(tokens, reports)) / sum(tokens),
             "longest": max(max(record["lengths"]) for record in records),
-            "cut": group([r for r in reports if _moved(r) <= -MIN_MOVE]),
-            "raised": group([r for r in reports if _moved(r) >= MIN_MOVE]),
+            "cut": group([r for r in reports if _kind(r) == "cut"]),
+            "raised": group([r for r in reports if _kind(r) == "raised"]),
         })
     return rows
 
@@ -97,7 +103,7 @@ def longest_alone(variant: dict, longest: int) -> dict:
     """The packs of one document of ``longest`` tokens at their base budget, over the whole run."""
     return group([record["report"] for step in variant["steps"] for round_ in step["rounds"]
                   for record in round_["records"]
-                  if record["lengths"] == [longest] and abs(_moved(record["report"])) < MIN_MOVE])
+                  if record["lengths"] == [longest] and _kind(record["report"]) == "unmoved"])
 
 
 def starting_prices(run: Path, name: str) -> RecallPrices:
@@ -143,24 +149,19 @@ def replayed_decision(run: Path, name: str, step: int) -> dict:
         used, base_density = _density(report), _density(report, "base_density")
         planned = budget.density - view.density
         price = cut if planned < 0 else raised
-        moved = used - base_density
+        kind = _kind(report)
         recall = report["recall"] - report["base_recall"]
-        ranks.append({"tokens": n, "class": length_class(record["lengths"]), "rho0": view.density,
+        ranks.append({"tokens": n, "class": length_class(record["lengths"]), "kind": kind, "rho0": view.density,
                       "target": budget.density, "base_density": base_density, "density": used, "price": price,
-                      "measured_price": recall / log_move(base_density, used) if abs(moved) >= MIN_MOVE else None,
+                      "measured_price": None if kind == "unmoved" else recall / log_move(base_density, used),
                       "predicted_s": float(seconds.predicted[r]), "measured_s": float(seconds.measured[r]),
                       "rank_s": done["rank_s"][r]})
         predicted += n * price * log_move(view.density, budget.density)
         measured += n * recall
         tokens += n
     return {"anchor": decision.anchor, "ranks": ranks, "predicted": predicted / tokens, "measured": measured / tokens,
-            "groups": {kind: _replay_group([rank for rank in ranks if _kind(rank) == kind])
+            "groups": {kind: _replay_group([rank for rank in ranks if rank["kind"] == kind])
                        for kind in ("cut", "raised", "unmoved")}}
-
-
-def _kind(rank: dict) -> str:
-    moved = rank["density"] - rank["base_density"]
-    return "cut" if moved <= -MIN_MOVE else "raised" if moved >= MIN_MOVE else "unmoved"
 
 
 def _replay_group(ranks: list[dict]) -> dict:
@@ -230,9 +231,8 @@ def main(argv=None) -> None:
         if evidence := prices.evidence():
             print(f"\nRecall prices per unit of log_move at the epoch's start (cut, raise; in brackets the units "
                   f"measured, against the prior's {prices.prior_weight:g}), by the pack's tile-weighted length: "
-                  + "; ".join(f"2^{key} {cut:.3f} ({cut_units:.2f}), {raised:.3f} ({raised_units:.2f})"
-                              for (key, (cut, raised)), (cut_units, raised_units)
-                              in zip(prices.by_class().items(), evidence.values())))
+                  + "; ".join(f"2^{key} {cut:.3f} ({evidence[key][0]:.2f}), {raised:.3f} ({evidence[key][1]:.2f})"
+                              for key, (cut, raised) in prices.by_class().items()))
         print()
 
 
