@@ -230,7 +230,7 @@ def main(argv=None) -> None:
         prices = starting_prices(args.run, name)
         if evidence := prices.evidence():
             print(f"\nRecall prices per unit of log_move at the epoch's start (cut, raise; in brackets the units "
-                  f"measured, against the prior's {prices.prior_weight:g}), by the pack's tile-weighted length: "
+                  f"measured, against the pool's {prices.prior_weight:g}), by the pack's tile-weighted length: "
                   + "; ".join(f"2^{key} {cut:.3f} ({evidence[key][0]:.2f}), {raised:.3f} ({evidence[key][1]:.2f})"
                               for key, (cut, raised) in prices.by_class().items()))
         print()

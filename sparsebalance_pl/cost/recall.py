@@ -46,9 +46,13 @@ class RecallPrices:
     Cuts and raises are priced apart: a straggler's cut drops the blocks of least mass across its layer, a fast
     rank's raise adds the next blocks of its rows, and where attention is sharp the two prices differ. Each class
     keeps exponentially weighted sums of the size moved (``log_move``) and the recall it cost or bought,
-    forgotten only as that class is measured again (a length seen once an epoch keeps its price), and shrunk
-    toward ``prior`` by ``prior_weight`` units moved. A class never measured is priced at the prior: 1.0, recall
-    following density as in the near-uniform regime, is the cautious one for a cut.
+    forgotten only as that class is measured again (a length seen once an epoch keeps its price).
+
+    A class's price is shrunk by ``prior_weight`` units toward the price pooled over every class, and the pool
+    toward ``prior``: the calibration's probes measure only 0.2-0.5 units per class, so shrunk toward the prior
+    1.0 a fifth of a price was the prior's, and cuts that cost 0.13-0.20 were priced 0.27, raises that bought
+    0.25-0.31 priced 0.43 (docs/RESULTS.md, twelfth pass). A class never measured is priced at the pool; before
+    anything is measured, at the prior, 1.0: recall following density, as in the near-uniform regime.
     """
 
     #: Moves smaller than this (in density) teach nothing: rounding of the kept tiles, not a budget's change.
@@ -83,14 +87,17 @@ class RecallPrices:
 
     def evidence(self) -> dict[int, tuple[float, float]]:
         """The units of ``log_move`` (cut, raised) that each measured class's prices rest on, decayed as learned,
-        in class order: against ``prior_weight`` they say how much of a price is the prior's."""
+        in class order: against ``prior_weight`` they say how much of a price is the pool's."""
         return {key: (float(self.moments[key][0, 0]), float(self.moments[key][1, 0])) for key in sorted(self.moments)}
 
     def _prices(self, key: int) -> tuple[float, float]:
-        moments = self.moments.get(key, np.zeros((2, 2)))
-        moved, priced = moments[:, 0], moments[:, 1]
-        cut, raised = np.maximum((priced + self.prior * self.prior_weight) / (moved + self.prior_weight), 0.0)
+        pool = self._shrunk(sum(self.moments.values(), np.zeros((2, 2))), np.full(2, self.prior))
+        cut, raised = np.maximum(self._shrunk(self.moments.get(key, np.zeros((2, 2))), pool), 0.0)
         return float(cut), float(raised)
+
+    def _shrunk(self, moments: np.ndarray, toward: np.ndarray) -> np.ndarray:
+        """(cut, raise) prices of ``moments`` with ``prior_weight`` units more at the prices ``toward``."""
+        return (moments[:, 1] + toward * self.prior_weight) / (moments[:, 0] + self.prior_weight)
 
     def state_dict(self) -> dict[str, Any]:
         return {str(key): moments.tolist() for key, moments in sorted(self.moments.items())}

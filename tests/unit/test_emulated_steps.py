@@ -42,5 +42,6 @@ def test_moved_ranks_are_grouped_and_priced_on_the_same_rows(tmp_path, capsys):
     state.write_text(json.dumps({"cost_model": {"recall_prices": {"12": [[0.95, 0.285], [0.0, 0.0]]}}}))
     emulated_steps.main([str(tmp_path)])
     out = capsys.readouterr().out
-    assert "(cut, raise; in brackets the units measured, against the prior's 0.05)" in out
-    assert "by the pack's tile-weighted length: 2^12 0.335 (0.95), 1.000 (0.00)" in out
+    assert "(cut, raise; in brackets the units measured, against the pool's 0.05)" in out
+    # 0.285 of recall over 0.95 units, and 0.05 units at the pool's (0.285 + 0.05) / 1.0; no raise measured
+    assert "by the pack's tile-weighted length: 2^12 0.302 (0.95), 1.000 (0.00)" in out
