@@ -49,9 +49,10 @@ class RecallPrices:
     forgotten only as that class is measured again (a length seen once an epoch keeps its price).
 
     A class's price is shrunk by ``prior_weight`` units toward the price pooled over every class, and the pool
-    toward ``prior``: the calibration's probes measure only 0.2-0.5 units per class, so shrunk toward the prior
-    1.0 a fifth of a price was the prior's, and cuts that cost 0.13-0.20 were priced 0.27, raises that bought
-    0.25-0.31 priced 0.43 (docs/RESULTS.md, twelfth pass). A class never measured is priced at the pool; before
+    toward ``prior``: the calibration's probes measure a fraction of a unit on lengths few of its packs hold, so
+    shrunk toward the prior 1.0 a fifth of such a price was the prior's: cuts that cost 0.13-0.20 were priced 0.27,
+    raises that bought 0.25-0.31 priced 0.43; toward the pool, 0.186 and 0.29-0.31 against 0.179 and 0.268
+    measured (docs/RESULTS.md, twelfth and thirteenth passes). A class never measured is priced at the pool; before
     anything is measured, at the prior, 1.0: recall following density, as in the near-uniform regime.
     """
 
