@@ -211,7 +211,8 @@ def test_profile_module_measures_a_module_of_its_own():
     # Timed on a shared machine: two sweeps keep each cell's faster time (one sweep overpredicted by more than
     # 35% in half of the tries under load, two in none of 20), and a disturbed profile gets a second try.
     grid = dataclasses.replace(TINY_GRID, passes=2)
-    errors = []
+    # (a disturbed profile can also fit a per-token cost of 0: it failed twice so beside other work, 2026-11-27)
+    tries = []
     for _ in range(2):
         with one_thread():
             model = profile_module(dims, step, grid=grid, progress=False, clock="cpu", **KERNELS)
@@ -219,8 +220,7 @@ def test_profile_module_measures_a_module_of_its_own():
                                        clock="cpu")
         meta = model.table.meta
         assert meta.dims["head_dim"] == 32 and meta.block_size == 32 and meta.notes["token_costs"] == "module steps"
-        assert model.table.token_layer > 0
-        errors.append(abs(model.predict(lengths, 1.0) / measured - 1))
-        if errors[-1] <= 0.35:
+        tries.append((model.table.token_layer, abs(model.predict(lengths, 1.0) / measured - 1)))
+        if tries[-1][0] > 0 and tries[-1][1] <= 0.35:
             break
-    assert min(errors) <= 0.35, errors
+    assert any(token_layer > 0 and error <= 0.35 for token_layer, error in tries), tries
