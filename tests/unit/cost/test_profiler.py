@@ -211,7 +211,7 @@ def test_profile_module_measures_a_module_of_its_own():
     # Timed on a shared machine: two sweeps keep each cell's faster time (one sweep overpredicted by more than
     # 35% in half of the tries under load, two in none of 20), and a disturbed profile gets a second try.
     grid = dataclasses.replace(TINY_GRID, passes=2)
-    # (a disturbed profile can also fit a per-token cost of 0: it failed twice so beside other work, 2026-11-27)
+    # (a disturbed profile can also fit a per-token cost of 0: so it failed in a fresh clone beside the demo)
     tries = []
     for _ in range(2):
         with one_thread():
