@@ -109,6 +109,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --ranks: the process's intra-op threads (default: torch's, one per core); one "
                              "thread times a micro-batch somewhat more steadily on a shared machine (docs/RESULTS.md, "
                              "emulated ranks, sixth pass)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="with --ranks: time each rank's micro-batch as the median of this many runs (the extra "
+                             "runs' gradients dropped): identical work strays by 0.07-0.15 on a shared CPU "
+                             "(benchmarks/timing_noise.py), which a balanced step pays as its slowest rank's excess; "
+                             "results.json keeps every run's time, and the total a single run gives")
     parser.add_argument("--bandwidth-gbps", type=float, default=50.0,
                         help="per-rank link bandwidth for the emulation's all-reduce estimate (GB/s)")
     parser.add_argument("--init", default="none", help="Hugging Face model directory, or 'none' for random init")
@@ -144,6 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--frozen needs --ranks")
     if args.threads is not None and (args.threads < 1 or args.ranks is None):
         parser.error(f"--threads {args.threads} needs --ranks and must be at least 1")
+    if args.repeats < 1 or (args.repeats > 1 and args.ranks is None):
+        parser.error(f"--repeats {args.repeats} needs --ranks and must be at least 1")
     if args.calibrate_steps < 0 or (args.calibrate_steps and args.ranks is None):
         parser.error(f"--calibrate-steps {args.calibrate_steps} needs --ranks and must be >= 0")
     if args.ranks is not None and args.report_only:
@@ -349,7 +356,8 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
     else:
         residuals: list[list[float]] = []
         if args.calibrate_steps:
-            calibration, items = EmulatedRanks(module, args.ranks, 1, controller=controller), data.items("train")
+            calibration = EmulatedRanks(module, args.ranks, 1, controller=controller, repeats=args.repeats)
+            items = data.items("train")
             steps = data.train_plan(args.ranks, rank=0, epoch=1).plan()[: args.calibrate_steps]
             with LoggedProgress(transient=True) as bar:
                 for i, step in enumerate(bar.track(steps, description=f"calibrating {name}")):
@@ -388,7 +396,8 @@ def emulate_variants(base: dict, names: list[str], args: argparse.Namespace, rou
         module, data, trainer, controller, plan = prepare_emulated(base, name, args, round_index)
         emulated = EmulatedRanks(module, args.ranks, len(plan), controller=controller,
                                  gradient_clip=trainer.gradient_clip_val,
-                                 gradient_clip_algorithm=trainer.gradient_clip_algorithm or "norm")
+                                 gradient_clip_algorithm=trainer.gradient_clip_algorithm or "norm",
+                                 repeats=args.repeats)
         items = data.items("train")
         emulated.warm_up(step_batches(items, plan[0])[0][0])
         runs[name] = EmulatedRun(module, data, plan, emulated, items, [])
@@ -433,6 +442,7 @@ def summarise_emulated(name: str, run: EmulatedRun, args: argparse.Namespace, va
         "steps": len(done),
         "hidden_size": module.dims.hidden_size,
         "total_s": sum(step_s),
+        "first_run_total_s": sum(max(draws[0] for draws in step.rank_draws) + step.optimizer_seconds for step in done),
         "step_s": statistics.median(step_s[args.warmup:]),
         "tokens": sum(step.tokens for step in done),
         "tokens_per_s": sum(step.tokens for step in done) / sum(step_s),
@@ -450,7 +460,8 @@ def summarise_emulated(name: str, run: EmulatedRun, args: argparse.Namespace, va
             "imbalance": [(i, imbalance(r)) for i, r in enumerate(rank_s)],
             "loss": [(i, step.loss) for i, step in enumerate(done)],
         },
-        "steps_detail": [{"rank_s": step.rank_seconds, "step_s": step.seconds, "tokens": step.tokens,
+        "steps_detail": [{"rank_s": step.rank_seconds, "rank_draws": step.rank_draws, "step_s": step.seconds,
+                          "tokens": step.tokens,
                           "rounds": [o.replay_dict() for o in step.observations]} for step in done],
     }
 
@@ -472,6 +483,7 @@ def emulated_regime(base: dict, results: dict, args: argparse.Namespace) -> dict
         "collective_estimate_s": reference["collective_estimate_s"],
         "bandwidth_gbps": args.bandwidth_gbps,
         "calibration_steps": args.calibrate_steps,
+        "timing_repeats": args.repeats,
         "threads": torch.get_num_threads(),
         "frozen_weights": args.frozen,
         "collectives": "not in the step times; estimated apart as a ring all-reduce of fp32 gradients",
@@ -605,6 +617,7 @@ def write_emulated(base: dict, results: dict, args: argparse.Namespace) -> None:
             f"compute, its removable imbalance {regime['baseline_removable_imbalance']:.3f}; collectives not in the "
             f"times (estimated {regime['collective_estimate_s']:.2f} s over the run at {args.bandwidth_gbps:g} GB/s); "
             f"cost model and DST calibrated by {args.calibrate_steps} steps without updates before the epoch"
+            + (f"; each rank's time the median of {args.repeats} runs" if args.repeats > 1 else "")
             + ("; weights frozen through the epoch (no variant's steps update them)" if args.frozen else ""))
     table = markdown_table(results, text, args, imbalance_of="each rank's measured forward and backward")
     print(table)

@@ -145,7 +145,8 @@ class AttentionContext:
     timed region (costs rows x T per head; not under context parallelism, where a rank lacks the other
     ranks' keys), at the budget in use and, on the same rows, at the base budget and at its ``price_probes``
     (``selections`` holds the layer's selection from the selection until then, so the other masks are built
-    outside the timed region). ``context_parallel``: the group sharing the stream, whose ranks must
+    outside the timed region; ``measurement_timer`` times it, so that a rank's time can leave out work a run
+    without ``recall_rows`` would not do). ``context_parallel``: the group sharing the stream, whose ranks must
     hold equal budgets; its ``masks`` then hold only this rank's striped rows, and ``ring_timer`` times the
     ring's waits (a part of ``timer``'s time).
     """
@@ -156,6 +157,7 @@ class AttentionContext:
     base_budgets: list[LayerBudget] | None = None
     timer: AttentionTimer | None = None
     ring_timer: AttentionTimer | None = None
+    measurement_timer: AttentionTimer | None = None
     recall_rows: int = 0
     context_parallel: ContextParallel = field(default_factory=ContextParallel)
     masks: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -293,7 +295,12 @@ def sparsebalance_attention(
     out = attend(q, k, v) if timer is None else timer.timed(layer, attend, q, k, v)
     stats = sb_context.stats.get(layer)
     if sb_context.measures_recall and stats is not None and stats.recall is None:
+        measurement = sb_context.measurement_timer
+        if measurement is not None:
+            measurement.start(("recall", layer))
         _measure_recall(q, k, layer, sb_context, stats, scaling)
+        if measurement is not None:
+            measurement.stop(("recall", layer))
     return out.unsqueeze(0), None
 
 

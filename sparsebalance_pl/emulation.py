@@ -4,7 +4,8 @@ A data-parallel step is sequential in effect: every rank runs forward and backwa
 gradients are averaged, one optimiser step follows, and the step lasts as long as its slowest rank. So N
 ranks can be measured on one device: run the N micro-batches of a step one after another, each with its own
 sparse-attention budget from the one ``DSTController`` every rank would run, time each alone (synchronised on
-a GPU), add the gradients under the global-token normalisation (``loss.globally_normalised_loss``) and take
+a GPU; recall's measurement, where the module makes it, left out; the median of ``repeats`` runs on a noisy
+machine), add the gradients under the global-token normalisation (``loss.globally_normalised_loss``) and take
 one optimiser step. The updates are those of a real N-rank run; the step's time is the slowest rank's
 measured compute plus the measured optimiser time. Not in it: the collectives and their overlap with compute
 (``allreduce_seconds`` estimates them apart, never folded into the step).
@@ -26,7 +27,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import seed_everything
 
 from sparsebalance_pl.callbacks.controller import DSTController
-from sparsebalance_pl.cost import StepObservation, StepRecord
+from sparsebalance_pl.cost import SparsityReport, StepObservation, StepRecord
 from sparsebalance_pl.datamodules.datamodule import LongContextDataModule, PlanItems
 from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.datamodules.sampler import StepPlan
@@ -59,7 +60,9 @@ class EmulatedStep:
     """One optimiser step of the emulated ranks.
 
     Attributes:
-        rank_seconds: each rank's forward and backward, measured alone, over its micro-batches.
+        rank_seconds: each rank's forward and backward, measured alone, over its micro-batches, less the time
+            spent measuring recall (``SparsityReport.measurement_seconds``: 5-15% of a rank's time at 64 rows on
+            the narrow model, which a training run without ``recall_rows`` does not spend).
         optimizer_seconds: gradient clipping, the optimiser and the schedule.
         tokens: tokens of the step over all ranks (padding included, as the ranks compute them).
         loss: mean loss per loss-bearing token over all ranks and micro-batches.
@@ -69,6 +72,8 @@ class EmulatedStep:
         observations: what the cost model made of each micro-batch round.
         predicted_seconds: each rank's forward and backward as DST's controller predicted them before they ran
             (NaN without a controller): how far a rank's time strays from its prediction.
+        rank_draws: per rank, the seconds of each of its ``repeats`` runs in run order, over its micro-batches;
+            ``rank_seconds`` is their median per micro-batch, the first run alone what one timing gives.
     """
 
     rank_seconds: list[float]
@@ -79,6 +84,7 @@ class EmulatedStep:
     lengths: list[list[list[int]]]
     observations: list[StepObservation]
     predicted_seconds: list[float]
+    rank_draws: list[list[float]]
 
     @property
     def seconds(self) -> float:
@@ -96,6 +102,11 @@ class EmulatedRanks:
         controller: DST's rule, shared by all ranks (None: the base budgets throughout).
         gradient_clip: clip the gradients to this, as ``trainer.gradient_clip_val`` does.
         gradient_clip_algorithm: ``"norm"`` (the global norm) or ``"value"`` (each element), as the Trainer's.
+        repeats: run each rank's micro-batch this many times and take the median time (the lower middle of an
+            even count). A shared CPU's clock strays by 0.07-0.15 (log-normal spread) for identical work
+            (``benchmarks/timing_noise.py``), and a balanced step lasts as long as its slowest rank, so that
+            stray, which a GPU's kernels do not have, adds 10-35% to a balanced step of 8-32 ranks; the median of
+            three narrows it. The extra runs' gradients are dropped.
     """
 
     def __init__(
@@ -107,12 +118,15 @@ class EmulatedRanks:
         controller: DSTController | None = None,
         gradient_clip: float | None = None,
         gradient_clip_algorithm: str = "norm",
+        repeats: int = 1,
     ) -> None:
         if num_ranks < 1:
             raise ValueError(f"num_ranks={num_ranks} must be at least 1")
+        if repeats < 1:
+            raise ValueError(f"repeats={repeats} must be at least 1")
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r} must be 'norm' or 'value'")
-        self.module, self.num_ranks, self.controller = module, num_ranks, controller
+        self.module, self.num_ranks, self.controller, self.repeats = module, num_ranks, controller, repeats
         self.gradient_clip, self.gradient_clip_algorithm = gradient_clip, gradient_clip_algorithm
         schedule = module.optimizer_and_schedule(total_steps)
         self.optimizer = schedule["optimizer"]
@@ -136,6 +150,7 @@ class EmulatedRanks:
         module, device = self.module, self.module.device
         module.train()
         rank_seconds, round_losses, round_counts, tokens, observations = [0.0] * self.num_ranks, [], [], 0, []
+        rank_draws = [[0.0] * self.repeats for _ in range(self.num_ranks)]
         predicted_seconds = [0.0 if self.controller is not None else math.nan] * self.num_ranks
         all_lengths: list[list[list[int]]] = [[] for _ in micro_batches]
         for m in range(rounds):
@@ -152,12 +167,14 @@ class EmulatedRanks:
                 module.layer_budgets = decision.ranks[rank].budgets if decision else list(module.base_budgets)
                 if decision:
                     predicted_seconds[rank] += decision.predicted[rank]
-                seconds, rank_loss = _timed(device, lambda: _forward_backward(module, batch, scale))
+                seconds, draws, rank_loss, report = self._run_rank(batch, scale)
                 rank_seconds[rank] += seconds
+                for k, draw in enumerate(draws):
+                    rank_draws[rank][k] += draw
                 round_seconds.append(seconds)
                 round_loss += rank_loss
                 tokens += batch["input_ids"].shape[-1]
-                records.append(StepRecord(lengths[rank], module.sparsity_report()))
+                records.append(StepRecord(lengths[rank], report))
             round_losses.append(round_loss / max(round_tokens, 1))
             round_counts.append(round_tokens)
             # alone on the device, a rank's whole forward and backward is free of collectives: it teaches every term
@@ -171,7 +188,29 @@ class EmulatedRanks:
             if math.isfinite(loss):  # what the real run's optimizer_step teaches the cost model
                 module.cost_model.observe_step_overhead(optimizer_seconds)
         return EmulatedStep(rank_seconds, optimizer_seconds, tokens, loss, round_losses, all_lengths, observations,
-                            predicted_seconds)
+                            predicted_seconds, rank_draws)
+
+    def _run_rank(self, batch: dict, scale: float) -> tuple[float, list[float], float, SparsityReport]:
+        """A rank's forward and backward on ``batch``, ``repeats`` times: the median run's seconds, every run's
+        (in run order; recall's measurement left out of each), the loss, and the median run's report (its
+        attention seconds belong with its time). Only the last run's gradients are kept."""
+        module = self.module
+        parameters = [p for p in module.parameters() if p.requires_grad]
+        runs = []
+        for k in range(self.repeats):
+            extra = k < self.repeats - 1
+            kept = [p.grad for p in parameters]
+            if extra:  # its gradients go to fresh tensors, dropped below
+                for p in parameters:
+                    p.grad = None
+            seconds, loss = _timed(module.device, lambda: _forward_backward(module, batch, scale))
+            report = module.sparsity_report()
+            if extra:
+                for p, grad in zip(parameters, kept):
+                    p.grad = grad
+            runs.append((seconds - report.measurement_seconds, loss, report))  # instrumentation is not the rank's
+        seconds, loss, report = sorted(runs, key=lambda run: run[0])[(self.repeats - 1) // 2]
+        return seconds, [run[0] for run in runs], loss, report
 
     def warm_up(self, batch: dict) -> None:
         """One untimed forward and backward whose gradients are dropped: a process's first pays one-time costs

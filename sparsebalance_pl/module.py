@@ -194,6 +194,7 @@ class SparseQwen(L.LightningModule):
             base_budgets=self.base_budgets,
             timer=AttentionTimer(cu_seqlens.device),
             ring_timer=AttentionTimer(cu_seqlens.device) if cp.active else None,
+            measurement_timer=AttentionTimer(cu_seqlens.device),
             recall_rows=self.attention_config.recall_rows if self.training or measure_recall else 0,
             context_parallel=cp,
         )
@@ -228,8 +229,8 @@ class SparseQwen(L.LightningModule):
         return 1.0 / batch.get("shared_stream", 1)
 
     def sparsity_report(self) -> SparsityReport:
-        """Densities, recall, attention time and ring waits of the last micro-batch (dense attention keeps every
-        tile)."""
+        """Densities, recall, attention time, ring waits and the time recall's measurement took of the last
+        micro-batch (dense attention keeps every tile)."""
         ctx = self.last_context
         docs = len(ctx.cu_seqlens) - 1
         ring_seconds = 0.0 if ctx.ring_timer is None else ctx.ring_timer.seconds()
@@ -248,6 +249,7 @@ class SparseQwen(L.LightningModule):
             base_estimated_recall=[float(s.base_estimated_recall) for s in layers],
             base_recall=ctx.mean_base_recall(),
             probe_moves=ctx.mean_probe_moves(),
+            measurement_seconds=ctx.measurement_timer.seconds(),
         )
 
     def forward(self, batch: dict, measure_recall: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

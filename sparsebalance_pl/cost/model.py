@@ -78,6 +78,9 @@ class SparsityReport:
         probe_moves: where recall is measured, (density, exact recall) of each price probe (a cut and a raise
             of the base budget, ``sparsebalance_pl.attention.price_probes``) minus the base budget's, mean over
             layers: what DST's adaptive anchor learns its prices from on every step, moved or not.
+        measurement_seconds: seconds spent measuring that recall, forward, outside ``attention_seconds``: the
+            run's own instrumentation, which a run without ``recall_rows`` does not pay (0 without it);
+            emulated ranks leave it out of a rank's time.
     """
 
     density: list[float]
@@ -90,6 +93,7 @@ class SparsityReport:
     base_estimated_recall: list[float] | None = None
     base_recall: float | None = None
     probe_moves: list[tuple[float, float]] | None = None
+    measurement_seconds: float = 0.0
 
     @property
     def mean_density(self) -> float:

@@ -97,18 +97,24 @@ def test_end_to_end_benchmark_emulates_ranks_and_writes_every_step(tmp_path):
     run = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--ranks", "3", "--config",
          str(REPO / "configs" / "demo.yaml"), "--config", str(small), "--epoch-documents", "60", "--max-tokens", "512",
-         "--variants", "static", BALANCED, "--warmup", "1", "--calibrate-steps", "2", "--out", str(out)],
+         "--variants", "static", BALANCED, "--warmup", "1", "--calibrate-steps", "2", "--repeats", "3",
+         "--out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["regime"]["ranks"] == 3 and 0 < results["regime"]["baseline_attention_share_of_compute"] < 1
+    assert results["regime"]["timing_repeats"] == 3
     for name in ("static", BALANCED):
         variant = results["variants"][name]
         assert variant["steps"] and all(len(step["rank_s"]) == 3 for step in variant["steps"])
         assert all(step["step_s"] >= max(step["rank_s"]) for step in variant["steps"])
         assert variant["tokens"] == sum(step["tokens"] for step in variant["steps"]) > 0
         assert variant["total_s"] == pytest.approx(sum(step["step_s"] for step in variant["steps"]))
+        assert all(len(draws) == 3 for step in variant["steps"] for draws in step["rank_draws"])
+        first_runs = sum(max(draws[0] for draws in step["rank_draws"]) + step["step_s"] - max(step["rank_s"])
+                         for step in variant["steps"])
+        assert variant["first_run_total_s"] == pytest.approx(first_runs)
         assert math.isfinite(variant["val_loss"]) and 0 < variant["recall"] <= 1
     assert (out / "results.md").exists() and (out / "imbalance.png").exists()
     # the simulator predicts the same plans from the state each variant started its epoch with
@@ -134,6 +140,9 @@ def test_end_to_end_benchmark_emulates_ranks_and_writes_every_step(tmp_path):
     rejected = subprocess.run([sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--ranks", "3",
                                "--report-only"], capture_output=True, text=True, timeout=60)
     assert rejected.returncode == 2 and "--report-only" in rejected.stderr
+    rejected = subprocess.run([sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--repeats", "3"],
+                              capture_output=True, text=True, timeout=60)
+    assert rejected.returncode == 2 and "--repeats 3 needs --ranks" in rejected.stderr
     # DST's decision of the last step, replayed from the state its epoch started with, beside what it did
     last = len(results["variants"][BALANCED]["steps"]) - 1
     replay = subprocess.run(

@@ -1,7 +1,10 @@
 """Emulated ranks in one process: the step's bookkeeping (unit level; tests/multiprocess/test_emulation.py checks
 the emulation against a real 2-process run)."""
 
+import copy
+import dataclasses
 import math
+import time
 
 import numpy as np
 import pytest
@@ -39,6 +42,49 @@ def test_a_step_times_every_rank_and_counts_what_it_ran(module):
     assert step.tokens == 3 * (384 + 64) and step.lengths[1] == [[256, 128], [64]]
     assert len(step.round_losses) == 2 == len(step.observations) and math.isfinite(step.loss)
     assert min(step.round_losses) <= step.loss <= max(step.round_losses)
+
+
+def test_a_ranks_time_leaves_out_the_measurement_of_recall(module, monkeypatch):
+    """Recall's measurement (``recall_rows``) is the benchmark's instrumentation: it is timed apart and a rank's
+    time does not hold it, so a slow measurement leaves the rank's time as it was."""
+    import sparsebalance_pl.attention as attention
+
+    module.attention_config = dataclasses.replace(module.attention_config, recall_rows=16)
+    measure = attention._measure_recall
+
+    def slow_measure(*args, **kwargs):
+        time.sleep(0.3)
+        measure(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_measure_recall", slow_measure)
+    ranks = EmulatedRanks(module, 2, total_steps=4)
+    started = time.perf_counter()
+    step = ranks.step([[_batch(0)], [_batch(1)]], update=False)
+    wall = time.perf_counter() - started
+    reports = [record.report for record in step.observations[0].records]
+    assert all(r.recall is not None and r.measurement_seconds >= 0.3 for r in reports)
+    assert wall >= 0.6 and sum(step.rank_seconds) < wall - 0.55
+
+
+def test_repeated_runs_time_the_median_and_keep_one_runs_gradients(module):
+    """With ``repeats`` a rank's time is the median of its runs, and the update is the one a single run gives."""
+    batches = [[_batch(0)], [_batch(1, (128, 64))]]
+    gradients = {}
+
+    def run(repeats: int):
+        ranks = EmulatedRanks(copy.deepcopy(module), 2, total_steps=4, repeats=repeats)
+        parameters = list(ranks.module.parameters())
+        ranks._update = lambda finite: gradients.setdefault(repeats, [p.grad.clone() for p in parameters])
+        return ranks.step(batches)
+
+    once, thrice = run(1), run(3)
+    assert [len(draws) for draws in thrice.rank_draws] == [3, 3] and [len(d) for d in once.rank_draws] == [1, 1]
+    assert thrice.rank_seconds == [sorted(draws)[1] for draws in thrice.rank_draws]
+    assert thrice.loss == pytest.approx(once.loss, rel=1e-6)
+    for a, b in zip(gradients[3], gradients[1]):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="repeats=0"):
+        EmulatedRanks(module, 2, total_steps=4, repeats=0)
 
 
 def test_ranks_must_hold_the_same_number_of_micro_batches(module):
