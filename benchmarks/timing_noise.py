@@ -6,7 +6,8 @@ docs/RESULTS.md). ``simulate.py check`` infers the ranks' spread from their time
 predictions, which holds the model's own error too. Here every emulated rank gets the same micro-batch, so
 their times differ by the machine alone. Reported per micro-batch: the spread (``simulate.rank_noise``, the
 same robust estimate as the check's), the lag-1 correlation of successive times (positive: slow spells,
-not independent draws), and the expected slowest of N ranks over the median at that spread.
+not independent draws), and the expected slowest of N ranks over the median at that spread. With
+``--median-of 3`` each timing is the median of three runs, as ``end_to_end.py --repeats 3`` times a rank.
 
     python benchmarks/timing_noise.py --config configs/demo.yaml --config configs/narrow16k.yaml \\
         --init outputs/sharp_narrow/hf --threads 1 --repeats 12 --out outputs/timing_noise
@@ -39,10 +40,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--init", default="none", help="Hugging Face model directory, or 'none' for random init")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=12, help="timings of each micro-batch (emulated ranks)")
+    parser.add_argument("--median-of", type=int, default=1,
+                        help="each timing the median of this many runs, as `end_to_end.py --repeats` times a rank")
     parser.add_argument("--out", type=Path, default=Path("outputs/timing_noise"))
     args = parser.parse_args(argv)
     if args.repeats < 3:
         parser.error(f"--repeats {args.repeats} must be at least 3")
+    if args.median_of < 1:
+        parser.error(f"--median-of {args.median_of} must be at least 1")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads {args.threads} must be at least 1")
     return args
@@ -84,8 +89,9 @@ def main(argv=None) -> None:
     module, data, _ = build(["--config", str(config_path)])
     items = data.items("train")
     lengths = np.array([len(items[i]["tokens"]) for i in range(len(items))])
-    ranks = EmulatedRanks(module, args.repeats, total_steps=1)
-    results = {"threads": torch.get_num_threads(), "repeats": args.repeats, "micro_batches": {}}
+    ranks = EmulatedRanks(module, args.repeats, total_steps=1, repeats=args.median_of)
+    results = {"threads": torch.get_num_threads(), "repeats": args.repeats, "median_of": args.median_of,
+               "micro_batches": {}}
     for name, documents in micro_batches(lengths, data.batching.max_tokens).items():
         batch = collate_packed([items[i] for i in documents])
         ranks.warm_up(batch)

@@ -39,3 +39,6 @@ def test_too_few_repeats_is_a_one_line_error(capsys):
     with pytest.raises(SystemExit):
         timing_noise.parse_args(["--config", "c.yaml", "--repeats", "2"])
     assert "--repeats 2 must be at least 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        timing_noise.parse_args(["--config", "c.yaml", "--median-of", "0"])
+    assert "--median-of 0 must be at least 1" in capsys.readouterr().err
