@@ -61,8 +61,8 @@ class EmulatedStep:
 
     Attributes:
         rank_seconds: each rank's forward and backward, measured alone, over its micro-batches, less the time
-            spent measuring recall (``SparsityReport.measurement_seconds``: 5-15% of a rank's time at 64 rows on
-            the narrow model, which a training run without ``recall_rows`` does not spend).
+            spent measuring recall (``SparsityReport.measurement_seconds``: at 64 rows on the narrow model about
+            12% of a pack's time, 5% of a 16K-token document's, which a run without ``recall_rows`` does not spend).
         optimizer_seconds: gradient clipping, the optimiser and the schedule.
         tokens: tokens of the step over all ranks (padding included, as the ranks compute them).
         loss: mean loss per loss-bearing token over all ranks and micro-batches.
@@ -198,14 +198,13 @@ class EmulatedRanks:
         parameters = [p for p in module.parameters() if p.requires_grad]
         runs = []
         for k in range(self.repeats):
-            extra = k < self.repeats - 1
-            kept = [p.grad for p in parameters]
-            if extra:  # its gradients go to fresh tensors, dropped below
+            kept = [p.grad for p in parameters] if k < self.repeats - 1 else None
+            if kept is not None:  # an extra run: its gradients go to fresh tensors, dropped below
                 for p in parameters:
                     p.grad = None
             seconds, loss = _timed(module.device, lambda: _forward_backward(module, batch, scale))
             report = module.sparsity_report()
-            if extra:
+            if kept is not None:
                 for p, grad in zip(parameters, kept):
                     p.grad = grad
             runs.append((seconds - report.measurement_seconds, loss, report))  # instrumentation is not the rank's
