@@ -442,7 +442,7 @@ def summarise_emulated(name: str, run: EmulatedRun, args: argparse.Namespace, va
         "steps": len(done),
         "hidden_size": module.dims.hidden_size,
         "total_s": sum(step_s),
-        "first_run_total_s": sum(max(draws[0] for draws in step.rank_draws) + step.optimizer_seconds for step in done),
+        "first_run_total_s": sum(step.first_run_seconds for step in done),
         "step_s": statistics.median(step_s[args.warmup:]),
         "tokens": sum(step.tokens for step in done),
         "tokens_per_s": sum(step.tokens for step in done) / sum(step_s),

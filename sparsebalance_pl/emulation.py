@@ -61,8 +61,9 @@ class EmulatedStep:
 
     Attributes:
         rank_seconds: each rank's forward and backward, measured alone, over its micro-batches, less the time
-            spent measuring recall (``SparsityReport.measurement_seconds``: at 64 rows on the narrow model about
-            12% of a pack's time, 5% of a 16K-token document's, which a run without ``recall_rows`` does not spend).
+            spent measuring recall (``SparsityReport.measurement_seconds``: at 64 rows on the narrow model
+            0.27-0.37 s a pack, 11-13% of a pack of short documents' time and 3-6% of a 16K-token document's,
+            docs/RESULTS.md fourteenth pass; a run without ``recall_rows`` does not spend it).
         optimizer_seconds: gradient clipping, the optimiser and the schedule.
         tokens: tokens of the step over all ranks (padding included, as the ranks compute them).
         loss: mean loss per loss-bearing token over all ranks and micro-batches.
@@ -90,6 +91,11 @@ class EmulatedStep:
     def seconds(self) -> float:
         """The step as a real synchronous run would take it, collectives left out."""
         return max(self.rank_seconds) + self.optimizer_seconds
+
+    @property
+    def first_run_seconds(self) -> float:
+        """``seconds`` with each rank timed by its first run alone, as without ``repeats``."""
+        return max(draws[0] for draws in self.rank_draws) + self.optimizer_seconds
 
 
 class EmulatedRanks:
