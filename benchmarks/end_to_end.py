@@ -119,8 +119,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--init", default="none", help="Hugging Face model directory, or 'none' for random init")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--epoch-documents", type=int, default=None,
-                        help="instead of --steps: one whole epoch over a corpus of this many documents, so every "
-                             "variant trains on exactly the same documents and the speed-up is of the epoch time")
+                        help="instead of --steps: one whole epoch over a corpus of this many documents (files of a "
+                             "'source: installed' corpus, which splits a long one), so every variant trains on "
+                             "exactly the same documents and the speed-up is of the epoch time")
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of step-time medians")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=None,
@@ -223,8 +224,11 @@ def variant_config(base: dict, name: str, args: argparse.Namespace, run_dir: Pat
         cfg["data"]["batching"]["max_tokens"] = args.max_tokens
     if args.epoch_documents is not None:
         trainer.update(max_steps=-1, max_epochs=1, val_check_interval=1.0)
-        data_dir = f"data/e2e_{args.epoch_documents}" + (f"_{args.max_tokens}" if args.max_tokens else "")
-        cfg["data"]["corpus"].update(num_documents=args.epoch_documents, data_dir=data_dir)
+        corpus, k = cfg["data"]["corpus"], args.epoch_documents
+        installed = corpus.get("source") == "installed"  # a real-text corpus: K of its files, a long one split
+        folder = (f"data/e2e_installed_{k}" if installed else f"data/e2e_{k}")
+        corpus.update({"max_files" if installed else "num_documents": k,
+                       "data_dir": folder + (f"_{args.max_tokens}" if args.max_tokens else "")})
     if args.devices is not None:
         trainer["devices"] = args.devices
     if args.accelerator is not None:

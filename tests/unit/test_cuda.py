@@ -4,6 +4,7 @@ CI has no GPU; these run wherever one exists (and ran on an H100, see the issue 
 """
 
 import lightning as L
+from lightning.fabric.utilities.apply_func import move_data_to_device
 import numpy as np
 import pytest
 import torch
@@ -44,7 +45,8 @@ def _documents(lengths: list[int], vocab: int, seed: int) -> list[dict]:
 def test_sparse_at_tau_one_matches_dense_on_cuda():
     dense, sparse = _module("dense").cuda(), _module("sparse", tau=1.0).cuda()
     sparse.net.load_state_dict(dense.net.state_dict())
-    batch = {k: v.cuda() for k, v in collate_packed(_documents([1500, 700, 1900], dense.dims.vocab_size, 0)).items()}
+    # a packed batch also carries plain numbers (its shared-stream count): move it as Lightning does
+    batch = move_data_to_device(collate_packed(_documents([1500, 700, 1900], dense.dims.vocab_size, 0)), "cuda")
     with torch.no_grad():
         (a, _), (b, _) = dense(batch), sparse(batch)
     assert torch.isfinite(b) and abs(float(a - b)) / float(a) <= 1e-4

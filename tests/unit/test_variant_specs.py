@@ -53,6 +53,19 @@ def test_an_end_to_end_variant_takes_its_own_dst_settings_over_the_command_line(
     assert end_to_end.variant_kind("sparsebalance:anchor=adaptive") == "sparsebalance"
 
 
+@pytest.mark.parametrize("source, size, folder", [
+    ("synthetic", "num_documents", "data/e2e_40_2048"), ("installed", "max_files", "data/e2e_installed_40_2048")])
+def test_an_epoch_of_k_documents_sizes_the_corpus_by_its_kind(source, size, folder, tmp_path):
+    """A synthetic corpus makes K documents; a real-text one takes K files (a long file splits into several)."""
+    args = end_to_end.parse_args(["--ranks", "4", "--epoch-documents", "40", "--max-tokens", "2048",
+                                  "--variants", "static"])
+    base = {"trainer": {}, "model": {"attention": {}, "model": {"preset": "demo"}},
+            "data": {"corpus": {"source": source, "data_dir": "data/x"}, "batching": {}}}
+    corpus = end_to_end.variant_config(base, "static", args, tmp_path)["data"]["corpus"]
+    assert corpus[size] == 40 and corpus["data_dir"] == folder and corpus["max_doc_tokens"] == 2048
+    assert ({"num_documents", "max_files"} - {size}).isdisjoint(corpus)
+
+
 @pytest.mark.parametrize("variants, message", [
     (["static:anchor=min"], "static does not tune"), (["dst:anchr=min"], "unknown setting 'anchr'"),
     (["balanced"], "unknown variant 'balanced'"), (["dst:p=2"], r"p=2.0 must lie in \[0, 1\]"),
