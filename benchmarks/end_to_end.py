@@ -226,7 +226,7 @@ def variant_config(base: dict, name: str, args: argparse.Namespace, run_dir: Pat
         trainer.update(max_steps=-1, max_epochs=1, val_check_interval=1.0)
         corpus, k = cfg["data"]["corpus"], args.epoch_documents
         installed = corpus.get("source") == "installed"  # a real-text corpus: K of its files, a long one split
-        folder = (f"data/e2e_installed_{k}" if installed else f"data/e2e_{k}")
+        folder = f"data/e2e_installed_{k}" if installed else f"data/e2e_{k}"
         corpus.update({"max_files" if installed else "num_documents": k,
                        "data_dir": folder + (f"_{args.max_tokens}" if args.max_tokens else "")})
     if args.devices is not None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 19 item 7 on a lent GPU machine: the 8-rank emulation of the real pretrained model (SmolLM2-135M) at its
-# longest context with the Triton kernels (docs/RESULTS.md, "Emulated ranks on an H100"). That machine has no
+# longest context with the Triton kernels (docs/RESULTS.md, "Emulated ranks on a GPU"). That machine has no
 # network and takes at most 64 MiB per call, so the packages its image lacks travel as wheels (.whl/) and the GGUF
 # file (98 MB) in two pieces (.gguf_a/, .gguf_b/), one per call, on the same warm machine:
 #   scripts/gpu_emulation.sh prepare # here, once: the wheels and the GGUF's pieces, in folders git ignores
@@ -66,7 +66,7 @@ run)
   tail -30 "$OUT/e2e.log"
   ;;
 *)
-  echo "usage: scripts/gpu_emulation.sh check|run [files]" >&2
+  echo "usage: scripts/gpu_emulation.sh prepare|check|run [FILES [VARIANT...]]" >&2
   exit 2
   ;;
 esac
