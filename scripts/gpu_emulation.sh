@@ -13,8 +13,7 @@
 # files and four variants (73 steps) did not finish in 500 s.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site  # outside the checkout: stays while the machine is warm
-OUT=${OUT:-outputs/gpu}
-mkdir -p "$OUT"
+OUT=${OUT:-outputs/gpu}  # the device machine sets OUT; what is under it comes back
 started=$SECONDS
 stamp() { echo "== $1 at $((SECONDS - started)) s"; }
 
@@ -35,6 +34,7 @@ prepare)
   du -sh .whl .gguf_a .gguf_b
   ;;
 check)
+  mkdir -p "$OUT"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -49,6 +49,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', 
   stamp done
   ;;
 run)
+  mkdir -p "$OUT"
   documents=${2:-96}
   variants=("${@:3}")
   [ ${#variants[@]} -gt 0 ] || variants=(static sparsebalance)
