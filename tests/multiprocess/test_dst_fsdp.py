@@ -45,7 +45,10 @@ def test_overloaded_rank_gets_sparser_and_predicted_imbalance_falls(tmp_path):
         assert imbalance <= imbalance_base + 1e-9
         if scale != [1.0, 1.0]:  # moved: the overloaded rank goes sparser, the predicted step gets shorter
             slow, fast = (0, 1) if base[0] > base[1] else (1, 0)
-            assert tau[slow] == pytest.approx(0.9) and scale[slow] < 1.0 and scale[slow] < scale[fast]
+            assert tau[slow] == pytest.approx(0.9) and scale[slow] <= 1.0 and scale[slow] < scale[fast]
+            if scale[slow] == 1.0:  # a straggler with no sparser budget to take (sixteen one-tile documents):
+                # the anchor is raised to its time, and only the fast rank moves, denser
+                assert float(row["dst/anchor_s"]) == pytest.approx(base[slow], rel=1e-6)
             assert imbalance < imbalance_base
             moved += 1
         else:  # held: only while the predicted imbalance lies within the cost model's own recent error
