@@ -1,6 +1,8 @@
 """Train, validate or test a sparse-attention Qwen2 with SparseBalance: ``python main.py fit --config configs/demo.yaml``."""
 
-from sparsebalance_pl.cli import main
-
 if __name__ == "__main__":
+    # imported here, not at the top: processes spawned by this one (litdata's build workers) re-import this file
+    # as ``__mp_main__``, and must not pay for the command line's imports (Lightning, transformers)
+    from sparsebalance_pl.cli import main
+
     main()
