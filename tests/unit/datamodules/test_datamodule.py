@@ -2,6 +2,8 @@
 
 import json
 import logging
+import subprocess
+import sys
 from collections import Counter
 
 import lightning as L
@@ -129,6 +131,15 @@ def test_synthetic_dataset_round_trip(tmp_path):
         assert sample["tokens"][-1] == ByteTokenizer.eos_id
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["source"]["kind"] == "synthetic"
+
+
+def test_the_builder_imports_without_lightning():
+    # litdata spawns its build workers, which import the builder's module to unpickle the sample function: with
+    # Lightning on that path every worker paid 7-15 s of imports each time a corpus was built
+    probe = "import sys, sparsebalance_pl.datamodules.builder; print('lightning' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
 
 
 def test_folder_source_splits_long_documents_and_survives_bad_text(tmp_path, capfd):
