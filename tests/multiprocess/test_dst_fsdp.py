@@ -46,7 +46,7 @@ def test_overloaded_rank_gets_sparser_and_predicted_imbalance_falls(tmp_path):
         if scale != [1.0, 1.0]:  # moved: the overloaded rank goes sparser, the predicted step gets shorter
             slow, fast = (0, 1) if base[0] > base[1] else (1, 0)
             assert tau[slow] == pytest.approx(0.9) and scale[slow] <= 1.0 and scale[slow] < scale[fast]
-            if scale[slow] == 1.0:  # a straggler with no sparser budget to take (sixteen one-tile documents):
+            if scale[slow] == 1.0:  # a straggler with no sparser budget to take (its time at its sparsest is its base):
                 # the anchor is raised to its time, and only the fast rank moves, denser
                 assert float(row["dst/anchor_s"]) == pytest.approx(base[slow], rel=1e-6)
             assert imbalance < imbalance_base
