@@ -1,27 +1,21 @@
 """Data: litdata corpora, packing and sparsity-aware batching (SAB).
 
-The names below load on first use (PEP 562): litdata's build workers are spawned processes that import
-``datamodules.builder`` alone, and importing this package eagerly would make each of them import Lightning
-first (7-15 s per worker, every time a corpus is built).
+The data module's names load on first use (PEP 562): litdata's build workers are spawned processes that import
+``datamodules.builder`` alone, and importing ``datamodule`` eagerly would make each of them import Lightning first
+(7-15 s per worker, every time a corpus is built). The other modules need no more than torch, which litdata
+imports anyway.
 """
 
-from importlib import import_module
+from sparsebalance_pl.datamodules.partition import CapacityError, karmarkar_karp, partition
+from sparsebalance_pl.datamodules.planner import GlobalBatch, PlannerConfig, Segment, plan_epoch
+from sparsebalance_pl.datamodules.packing import collate_packed, stripe_packed
+from sparsebalance_pl.datamodules.sampler import BatchingConfig, PaddingItem, SharedStream, SparsityAwareSampler
+from sparsebalance_pl.lazy_exports import lazy_exports
 
-_EXPORTS = {
-    "datamodule": ("CorpusConfig", "EvaluationConfig", "LongContextDataModule", "PlanItems"),
-    "partition": ("CapacityError", "karmarkar_karp", "partition"),
-    "planner": ("GlobalBatch", "PlannerConfig", "Segment", "plan_epoch"),
-    "packing": ("collate_packed", "stripe_packed"),
-    "sampler": ("BatchingConfig", "PaddingItem", "SharedStream", "SparsityAwareSampler"),
-}
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_LAZY = dict.fromkeys(("CorpusConfig", "EvaluationConfig", "LongContextDataModule", "PlanItems"), ".datamodule")
 
-__all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str):
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
-    globals()[name] = value
-    return value
+__all__ = sorted([
+    "BatchingConfig", "CapacityError", "GlobalBatch", "PaddingItem", "PlannerConfig", "Segment", "SharedStream",
+    "SparsityAwareSampler", "collate_packed", "karmarkar_karp", "partition", "plan_epoch", "stripe_packed", *_LAZY,
+])
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

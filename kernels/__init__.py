@@ -5,7 +5,7 @@ Importing this package imports neither torch nor triton: transformers imports an
 resolved lazily on first access (PEP 562).
 """
 
-from importlib import import_module
+from sparsebalance_pl.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "block_sparse_attention": ".attention",
@@ -29,15 +29,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

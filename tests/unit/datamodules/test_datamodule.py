@@ -142,6 +142,19 @@ def test_the_builder_imports_without_lightning():
     assert out.stdout.strip() == "False"
 
 
+def test_every_exported_name_is_what_its_module_defines():
+    # a name loaded on first use must not be shadowed by the submodule of the same name (``partition``)
+    import importlib
+
+    import sparsebalance_pl.datamodules as package
+
+    importlib.import_module("sparsebalance_pl.datamodules.partition")
+    for name in package.__all__:
+        value = getattr(package, name)
+        assert not isinstance(value, type(package)), name
+        assert value is getattr(importlib.import_module(value.__module__), name), name
+
+
 def test_folder_source_splits_long_documents_and_survives_bad_text(tmp_path, capfd):
     # litdata encodes in worker processes: their warnings reach stderr, not the logging capture
     text_dir = tmp_path / "text"
