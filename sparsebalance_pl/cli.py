@@ -17,13 +17,14 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from sparsebalance_pl.callbacks import DynamicSparsityTuning
 from sparsebalance_pl.cost.profiler import profile_hardware, training_dtype
@@ -53,6 +54,14 @@ class SparseBalanceCLI(LightningCLI):
             self._add_arguments(command_parser)
             self._subcommand_parsers[name] = command_parser
             parser._subcommands_action.add_subcommand(name, command_parser, help=description)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Lightning's, without its warning that ``args`` came while ``sys.argv`` holds arguments: ``main(args)`` is
+        how the benchmarks and tests run a command from scripts with command lines of their own, and only ``args``
+        is parsed then."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+            super().parse_arguments(parser, args)
 
     def _parse_ckpt_path(self) -> None:
         """``export`` reads its checkpoint itself; Lightning's would parse the model's settings out of it."""
