@@ -7,13 +7,15 @@ the previous checkpoint of the same name (``last.ckpt``): a rank killed during t
 beside the previous save's ``.metadata`` and ``meta.pt``, which loads a mixture or fails far from its cause.
 
 ``FSDP2Strategy`` therefore writes every checkpoint (``last.ckpt``, top-k, SLURM's ``hpc_ckpt_<n>.ckpt``) to
-``<name>.partial`` and, after a barrier that every rank reaches only once its part is written, rank 0 puts it
-in place (``install``): a file by one ``os.replace``; a folder by renames, ``<name>`` to
-``<stem>.previous<suffix>`` and ``<name>.partial`` to ``<name>``, after which the previous one is removed (a
-removal renames first to ``<name>.partial``, so a removal cut short never leaves a damaged folder under a
+``.partial/<name>``, a hidden folder beside it, and, after a barrier that every rank reaches only once its part
+is written, rank 0 puts it in place (``install``): a file by one ``os.replace``; a folder by renames, ``<name>``
+to ``<stem>.previous<suffix>`` and ``.partial/<name>`` to ``<name>``, after which the previous one is removed (a
+removal moves it into ``.partial`` first, so a removal cut short never leaves a damaged folder under a
 checkpoint's name either). At every instant a complete checkpoint is at ``<name>`` or, between the two
 renames, at ``<stem>.previous<suffix>``: Lightning's ``ckpt_path="last"`` takes any ``last*.ckpt`` of the
-folder, so it finds that one too. A ``.partial`` is never loaded; the next save of its name deletes it.
+folder, so it finds that one too. Nothing in ``.partial`` is ever loaded; the next save of its name deletes it.
+Lightning never sees it either: under SLURM it resumes from the highest ``hpc_ckpt_<n>`` *named in the folder*,
+so a cut-short save named beside the complete ones would send a requeued job to a checkpoint that is not there.
 
 Loading checks that a folder is whole (``damage``): ``.metadata`` and ``meta.pt`` present, ``meta.pt`` a
 complete zip archive (``torch.save`` writes the archive's index last), and every shard file the index names
@@ -35,11 +37,20 @@ INDEX = ".metadata"  # DCP's index of the shards, written by rank 0 after every 
 META = "meta.pt"  # Lightning's non-tensor state, written by rank 0 after DCP's save returned
 _CHECKPOINT_FILES = (INDEX, INDEX + ".tmp", META)
 _SHARD_SUFFIX = ".distcp"
+STAGING = ".partial"  # the folder beside the checkpoints where they are written and deleted
 
 
 def staging_path(path: Path) -> Path:
     """Where the checkpoint for ``path`` is written, or moved to be deleted: never taken for a checkpoint."""
-    return path.with_name(path.name + ".partial")
+    return path.parent / STAGING / path.name
+
+
+def clear_staging(path: Path) -> Path:
+    """The empty staging path of ``path``, after deleting what a save of it that was cut short left there."""
+    staging = staging_path(path)
+    _delete(staging)
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    return staging
 
 
 def aside_path(path: Path) -> Path:
@@ -66,15 +77,19 @@ def install(staging: Path, path: Path) -> None:
         os.rename(path, aside)
         os.rename(staging, path)
     remove(aside)
+    _drop_if_empty(staging.parent)
 
 
 def remove(path: Path) -> None:
-    """Delete a checkpoint; renamed first, so a removal cut short leaves no damaged one under its name."""
+    """Delete a checkpoint; moved into the staging folder first, so a removal cut short leaves no damaged one
+    under its name."""
     trash = staging_path(path)
     _delete(trash)  # left by a removal cut short
     if os.path.lexists(path):
+        trash.parent.mkdir(exist_ok=True)
         os.rename(path, trash)
         _delete(trash)
+    _drop_if_empty(trash.parent)
 
 
 def leftovers(path: Path) -> list[Path]:
@@ -129,6 +144,11 @@ def _instead(path: Path) -> str:
 
 def _is_checkpoint_file(name: str) -> bool:
     return name in _CHECKPOINT_FILES or name.endswith(_SHARD_SUFFIX)
+
+
+def _drop_if_empty(folder: Path) -> None:
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
 
 
 def _delete(path: Path) -> None:

@@ -13,9 +13,10 @@ that times out or loses a peer raises on the waiting rank, and the run ends with
 the global step. Under NCCL the process group's watchdog ends a timed-out process itself, naming the rank and
 the collective.
 
-Checkpoints are written beside their path and moved there once every rank has written its part, and a
-damaged one is refused with a message naming a complete one (``sparsebalance_pl.checkpoints``): a rank killed
-while ``last.ckpt`` is written leaves the previous ``last.ckpt`` whole.
+Checkpoints are written in a hidden folder beside their path and moved there once every rank has written its
+part, and a damaged one is refused with a message naming a complete one (``sparsebalance_pl.checkpoints``): a
+rank killed while ``last.ckpt`` is written leaves the previous ``last.ckpt`` whole, and a SLURM job killed while
+``hpc_ckpt_<n>`` is written is requeued to the one before.
 """
 
 from __future__ import annotations
@@ -80,13 +81,13 @@ class FSDP2Strategy(ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
-        """Write to ``<path>.partial`` and let rank 0 move it to ``path`` only after every rank has written its
-        part, so that a kill during the save never leaves a partial checkpoint under the name."""
+        """Write to ``.partial/<name>`` beside ``path`` and let rank 0 move it to ``path`` only after every rank
+        has written its part, so that a kill during the save never leaves a partial checkpoint under the name."""
         path = Path(self.broadcast(filepath))
         checkpoints.check_replaceable(path)
         staging = checkpoints.staging_path(path)
         if self.is_global_zero:
-            checkpoints.remove(staging)  # left by a save of this name that was cut short
+            checkpoints.clear_staging(path)  # of what a save of this name that was cut short left
         self.barrier("checkpoint_staging")
         super().save_checkpoint(checkpoint, staging, storage_options)
         self.barrier("checkpoint_written")  # DCP's shards and .metadata, then rank 0's meta.pt

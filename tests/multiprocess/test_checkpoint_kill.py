@@ -80,12 +80,12 @@ def test_rank_killed_while_writing_last_resumes_from_the_previous_one(tmp_path, 
         _kill_group(killed.pid)  # rank 1, left waiting for it
     assert returncode == -signal.SIGKILL, log.read_text()[-3000:]
     folder = tmp_path / CHECKPOINTS
-    assert checkpoints.damage(folder / "last.ckpt.partial") == "meta.pt missing or cut short"
+    assert checkpoints.damage(checkpoints.staging_path(folder / "last.ckpt")) == "meta.pt missing or cut short"
     assert checkpoints.damage(folder / "last.ckpt") is None and _step(folder / "last.ckpt") == 2
 
     resumed = run_main(tmp_path, *ARGS, _callbacks(), "--ckpt_path=last", timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "last.ckpt.partial: left by a save of" in resumed.stderr
+    assert f"{checkpoints.STAGING}/last.ckpt: left by a save of" in resumed.stderr
     assert _logged_steps(tmp_path) == [2, 3, 4, 5]
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and _step(folder / "last.ckpt") == 6
 

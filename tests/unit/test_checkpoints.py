@@ -5,11 +5,13 @@ while saving are in tests/multiprocess/test_checkpoint_kill.py)."""
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from checkpoint_files import checkpoint_step as _step
 from checkpoint_files import write_checkpoint as _write
 
@@ -53,7 +55,7 @@ def test_a_partial_folder_is_detected(tmp_path, cut, reason):
 def test_a_damaged_checkpoint_names_the_newest_complete_one(tmp_path):
     older, newer = _write(tmp_path / "epoch=0-step=2.ckpt", 2), _write(tmp_path / "epoch=0-step=4.ckpt", 4)
     damaged = _write(tmp_path / "last.ckpt", 6)
-    _write(tmp_path / "other.ckpt.partial", 8)  # never a candidate
+    _write(checkpoints.staging_path(tmp_path / "other.ckpt"), 8)  # never a candidate
     _truncate(damaged / "meta.pt")
     _age(older, 30)
     _age(newer, 20)
@@ -73,15 +75,28 @@ def test_a_damaged_checkpoint_alone_says_there_is_none(tmp_path):
 
 
 def test_a_missing_checkpoint_with_a_leftover_partial_is_reported(tmp_path):
-    """SLURM resumes from the highest ``hpc_ckpt_<n>``, counting ``hpc_ckpt_3.ckpt.partial`` as 3."""
-    complete = _write(tmp_path / "hpc_ckpt_2.ckpt", 2)
-    requested = tmp_path / "hpc_ckpt_3.ckpt"
+    complete = _write(tmp_path / "last.ckpt", 2)
+    requested = tmp_path / "epoch=0-step=3.ckpt"
     assert checkpoints.problem(requested) is None  # nothing left behind: Lightning reports it as before
-    _write(checkpoints.staging_path(requested), 3).joinpath(".metadata").unlink()
+    staged = _write(checkpoints.staging_path(requested), 3)
+    (staged / ".metadata").unlink()
     assert checkpoints.problem(requested) == (
-        f"checkpoint {requested} is missing: a save of it was cut short ({requested}.partial left behind); "
+        f"checkpoint {requested} is missing: a save of it was cut short ({staged} left behind); "
         f"resume from {complete} instead"
     )
+
+
+def test_slurm_resumes_from_the_newest_complete_hpc_checkpoint_after_a_save_cut_short(tmp_path):
+    """Lightning resumes a requeued job from the highest ``hpc_ckpt_<n>`` named in the folder, and numbers the
+    next save one above it: a cut-short save of ``hpc_ckpt_3`` must count for neither."""
+    complete = _write(tmp_path / "hpc_ckpt_2.ckpt", 2)
+    cut_short = tmp_path / "hpc_ckpt_3.ckpt"
+    _write(checkpoints.staging_path(cut_short), 3).joinpath(".metadata").unlink()
+    connector = _CheckpointConnector(SimpleNamespace(default_root_dir=str(tmp_path)))
+    assert connector._hpc_resume_path == str(complete)
+    assert _CheckpointConnector.hpc_save_path(tmp_path) == str(cut_short)  # whose save deletes the leftover
+    FSDP2Strategy().save_checkpoint({"state_dict": {"w": torch.full((8,), 4.0)}, "global_step": 4}, cut_short)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hpc_ckpt_2.ckpt", "hpc_ckpt_3.ckpt"]
 
 
 def test_install_replaces_the_previous_checkpoint_and_leaves_nothing_else(tmp_path):
@@ -112,7 +127,7 @@ def test_a_kill_between_the_renames_leaves_the_previous_checkpoint_for_last(tmp_
     found = ModelCheckpoint(dirpath=tmp_path)._find_last_checkpoints(trainer=None)
     assert found == {str(aside)}  # what ``--ckpt_path last`` loads
     assert f"resume from {aside} instead" in checkpoints.problem(path)
-    checkpoints.remove(staging)  # the resumed run's next save, as FSDP2Strategy makes it
+    staging = checkpoints.clear_staging(path)  # the resumed run's next save, as FSDP2Strategy makes it
     checkpoints.install(_write(staging, 6), path)
     assert _step(path) == 6 and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
@@ -141,6 +156,13 @@ def test_the_strategy_saves_over_the_previous_checkpoint_atomically(tmp_path, sh
     saved = torch.load(path / "meta.pt" if sharded else path)
     assert saved["global_step"] == 4 and path.is_dir() == sharded
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_the_strategy_saves_into_a_folder_that_does_not_exist_yet(tmp_path, sharded):
+    path = tmp_path / "checkpoints" / "last.ckpt"  # ModelCheckpoint's folder, before the first save
+    FSDP2Strategy(save_distributed_checkpoint=sharded).save_checkpoint({"state_dict": {}, "global_step": 2}, path)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]
 
 
 def test_the_strategy_refuses_a_damaged_checkpoint(tmp_path):
