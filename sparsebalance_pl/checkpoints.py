@@ -76,8 +76,7 @@ def install(staging: Path, path: Path) -> None:
         remove(aside)  # left by a run killed after the rename below; ``path`` is complete, so not needed
         os.rename(path, aside)
         os.rename(staging, path)
-    remove(aside)
-    _drop_if_empty(staging.parent)
+    remove(aside)  # which also drops the staging folder once empty
 
 
 def remove(path: Path) -> None:
