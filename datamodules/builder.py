@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import json
 import logging
+import multiprocessing
 import shutil
 import sysconfig
 from collections.abc import Callable, Iterator
@@ -278,14 +279,18 @@ def _optimize(fn: Callable, items: list, out: Path, num_workers: int) -> None:
 
     if not items:
         raise DataError(f"no documents for {out}: the source is too small for a train and a validation split")
-    litdata.optimize(
-        fn=fn,
-        inputs=items,
-        output_dir=str(out),
-        chunk_bytes="32MB",
-        num_workers=max(1, min(num_workers, len(items))),
-        verbose=False,
-    )
+    start_method = multiprocessing.get_start_method(allow_none=True)
+    try:
+        litdata.optimize(
+            fn=fn,
+            inputs=items,
+            output_dir=str(out),
+            chunk_bytes="32MB",
+            num_workers=max(1, min(num_workers, len(items))),
+            verbose=False,
+        )
+    finally:  # litdata sets the whole process's start method to spawn; the caller's processes keep theirs
+        multiprocessing.set_start_method(start_method, force=True)
     lengths = read_lengths_from_dataset(out)
     if lengths.size == 0:
         raise DataError(f"{out}: every document was empty; nothing to train on")

@@ -19,7 +19,9 @@ said otherwise:
 Each time is the fastest of a few repetitions after a warm-up: on a shared machine contention only ever
 adds time, so the minimum is the most repeatable estimate (the benchmark measures whole steps the same way).
 On a CPU shared with other jobs even the minimum drifts with their load; ``clock="cpu"`` (one torch thread)
-times the process's CPU time instead, which is what the wall time would be without them.
+times the process's CPU time instead, which is what the wall time would be without them. A wall-clock profile
+records how much other work shared its CPUs (``cost.contention``), and a table profiled beside other work is
+warned about whenever it is used.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from transformers import AttentionInterface
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
 
+from sparsebalance_pl.cost.contention import CpuContention, measure_contention
 from sparsebalance_pl.cost.latency import TERMS, LatencyModel, LatencyTable, TableMeta, cost_dims
 from sparsebalance_pl.loss import chunked_cross_entropy_sum
 from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, AttentionContext
@@ -374,17 +377,19 @@ def profile_hardware(
             "head": lambda n, _: bench.head(n),
             "model": lambda i, _: whole.workload(*step_batches[i]),
         }
-        times = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
+        with measure_contention(_cores_used(device)) as contention:
+            times = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
     counts = np.asarray(grid.token_counts, dtype=np.float64)
     token_layer, layer_overhead = _line([times[("layer", n, None)] for n in grid.token_counts], counts)
     token_head, model_overhead = _line([times[("head", n, None)] for n in grid.token_counts], counts)
     table = _table(times, grid, bench, scope_tokens, clock, (token_layer, token_head, layer_overhead, model_overhead),
-                   {})
+                   contention.as_notes())
     steps = [(lengths, density, times[("model", i, None)]) for i, (lengths, density) in enumerate(step_batches)]
     steps = [step for step in steps if np.isfinite(step[2])]
     model = LatencyModel(_fitted_to_steps(table, steps) if steps else table)
     if output is not None:
         model.save(output)
+    warn_if_busy(model, output or "just profiled")
     return model
 
 
@@ -424,17 +429,37 @@ def profile_module(
         torch.manual_seed(seed)
         bench = _KernelBench(dims, device, dtype, block_size, stride, selection)
         workloads = {"step": lambda n, _: lambda: step([short] * max(n // short, 1))}
-        times = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
+        with measure_contention(_cores_used(device)) as contention:
+            times = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
     kernels_only = LatencyModel(_table(times, grid, bench, scope_tokens, clock, (0.0, 0.0, 0.0, 0.0), {}))
     layers = kernels_only.num_layers
     streams = [[short] * max(n // short, 1) for n in grid.token_counts]
     rest = [times[("step", n, None)] - kernels_only.predict(ls, 1.0) for n, ls in zip(grid.token_counts, streams)]
     per_token, fixed = _line(rest, np.array([sum(lengths) for lengths in streams], dtype=np.float64))
     model = LatencyModel(_table(times, grid, bench, scope_tokens, clock, (per_token / layers, 0.0, fixed / layers, 0.0),
-                                {"token_costs": "module steps"}))
+                                {"token_costs": "module steps", **contention.as_notes()}))
     if output is not None:
         model.save(output)
+    warn_if_busy(model, output or "just profiled")
     return model
+
+
+def _cores_used(device: torch.device) -> int:
+    """The CPU cores a profile keeps busy: torch's threads on a CPU, one driving a GPU."""
+    return torch.get_num_threads() if device.type == "cpu" else 1
+
+
+def warn_if_busy(model: LatencyModel, where: str | Path) -> None:
+    """Warns when other work shared the CPUs while the table was profiled on the wall clock
+    (``CpuContention.busy``). Its times are then too slow, and the plans built on them skewed until calibration
+    catches up; the table is not profiled again for this alone, since the machine may be as busy next time.
+    A table timed in CPU time (``clock="cpu"``) does not count the time others took."""
+    notes = model.table.meta.notes
+    contention = CpuContention.from_notes(notes)
+    if notes.get("clock") == "wall" and contention is not None and contention.busy:
+        log.warning("latency table %s was profiled while other work took %.1f cores of its CPUs (%d left spare): "
+                    "its times are too slow; profile it again on a quiet machine with `python main.py profile`",
+                    where, contention.other_cores, contention.spare_cores)
 
 
 def _kernel_cells(grid: ProfileGrid) -> tuple[list[tuple], int]:
@@ -590,6 +615,7 @@ def latency_model_for_run(
     if model is not None and (unfit is None or not profile):
         if unfit is not None:
             log.warning("latency table %s %s: using it, online calibration will correct it", path, unfit)
+        warn_if_busy(model, path)
         return model
     if profile:
         log.warning("%sprofiling the latency table for %s into %s (quick grid)",

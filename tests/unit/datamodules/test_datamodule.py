@@ -2,6 +2,7 @@
 
 import json
 import logging
+import multiprocessing
 import subprocess
 import sys
 from collections import Counter
@@ -113,13 +114,19 @@ def test_resumed_sampler_skips_exactly_what_was_consumed():
 
 
 def test_synthetic_dataset_round_trip(tmp_path):
-    build_splits(
-        str(tmp_path),
-        SyntheticSource(num_documents=40, seed=1),
-        tokenizer_spec="byte",
-        max_doc_tokens=512,
-        val_fraction=0.1,
-    )
+    start_method = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("forkserver", force=True)
+    try:
+        build_splits(
+            str(tmp_path),
+            SyntheticSource(num_documents=40, seed=1),
+            tokenizer_spec="byte",
+            max_doc_tokens=512,
+            val_fraction=0.1,
+        )
+        assert multiprocessing.get_start_method() == "forkserver"  # litdata sets spawn for the process
+    finally:
+        multiprocessing.set_start_method(start_method, force=True)
     lengths = load_lengths(tmp_path / "train")
     import litdata
 
