@@ -35,7 +35,8 @@ out and estimated apart (a ring all-reduce of the gradients at ``--bandwidth-gbp
 turns, so a drift in the machine's speed reaches them all. Then ``results.json`` holds
 ``{"variants": {name: {"steps": [{"rank_s", "step_s", "tokens", "rounds"}], "total_s", "tokens", "val_loss",
 "recall", ...}}, "regime": {...}}`` (``rounds``: what the cost model learned from each micro-batch round, which
-``benchmarks/simulate.py check`` replays):
+``benchmarks/simulate.py check`` replays; the regime records how many cores other processes used on this
+machine's CPUs while the steps were timed, ``cost.contention``):
 
     python benchmarks/end_to_end.py --ranks 8 --config configs/demo.yaml --config configs/narrow16k.yaml \
         --epoch-documents 400 --out outputs/e2e_emulated_8
@@ -71,6 +72,7 @@ from rich.progress import (  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from sparsebalance_pl.balance import balance_efficiency, imbalance  # noqa: E402
+from sparsebalance_pl.cost.contention import CpuContention, measure_contention  # noqa: E402
 from sparsebalance_pl.progress import LoggedProgress  # noqa: E402
 from variant_spec import parse_variant  # noqa: E402
 
@@ -408,7 +410,7 @@ def emulate_variants(base: dict, names: list[str], args: argparse.Namespace, rou
     started = time.perf_counter()
     columns = (TextColumn("emulating {task.description:<24}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
-    with LoggedProgress(*columns) as bar:
+    with LoggedProgress(*columns) as bar, measure_contention(torch.get_num_threads()) as contention:
         task = bar.add_task("", total=sum(len(run.plan) for run in runs.values()))
         for i in range(max(len(run.plan) for run in runs.values())):
             for name, run in runs.items():
@@ -426,12 +428,14 @@ def emulate_variants(base: dict, names: list[str], args: argparse.Namespace, rou
         key = VARIANTS[variant_kind(name)][0] if args.frozen else name
         if key not in losses:
             losses[key] = validation_loss(run.module, run.data)
-        summaries[name] = summarise_emulated(name, run, args, losses[key])
+        summaries[name] = summarise_emulated(name, run, args, losses[key], contention)
     return summaries
 
 
-def summarise_emulated(name: str, run: EmulatedRun, args: argparse.Namespace, val_loss: float) -> dict:
-    """One variant's emulated epoch summed up, with its measured validation loss."""
+def summarise_emulated(name: str, run: EmulatedRun, args: argparse.Namespace, val_loss: float,
+                       contention: CpuContention) -> dict:
+    """One variant's emulated epoch summed up, with its measured validation loss and the other work on the
+    machine's CPUs while the variants were timed."""
     from sparsebalance_pl.emulation import allreduce_seconds
 
     module, done = run.module, run.done
@@ -459,6 +463,8 @@ def summarise_emulated(name: str, run: EmulatedRun, args: argparse.Namespace, va
         "val_loss": val_loss,
         "recall": sum(n * r for n, r in recalls) / sum(n for n, _ in recalls) if recalls else math.nan,
         "density": statistics.fmean(r.report.mean_density for r in records),
+        "other_cpu_cores": math.nan if contention.other_cores is None else contention.other_cores,
+        "spare_cpu_cores": contention.spare_cores,
         "curves": {
             "step_s": list(enumerate(step_s)),
             "imbalance": [(i, imbalance(r)) for i, r in enumerate(rank_s)],
@@ -489,6 +495,8 @@ def emulated_regime(base: dict, results: dict, args: argparse.Namespace) -> dict
         "calibration_steps": args.calibrate_steps,
         "timing_repeats": args.repeats,
         "threads": torch.get_num_threads(),
+        "other_cpu_cores": reference["other_cpu_cores"],
+        "spare_cpu_cores": reference["spare_cpu_cores"],
         "frozen_weights": args.frozen,
         "collectives": "not in the step times; estimated apart as a ring all-reduce of fp32 gradients",
     }
@@ -622,6 +630,8 @@ def write_emulated(base: dict, results: dict, args: argparse.Namespace) -> None:
             f"times (estimated {regime['collective_estimate_s']:.2f} s over the run at {args.bandwidth_gbps:g} GB/s); "
             f"cost model and DST calibrated by {args.calibrate_steps} steps without updates before the epoch"
             + (f"; each rank's time the median of {args.repeats} runs" if args.repeats > 1 else "")
+            + f"; other work on its CPUs while timing: {regime['other_cpu_cores']:.2f} cores "
+              f"({regime['spare_cpu_cores']} spare)"
             + ("; weights frozen through the epoch (no variant's steps update them)" if args.frozen else ""))
     table = markdown_table(results, text, args, imbalance_of="each rank's measured forward and backward")
     print(table)

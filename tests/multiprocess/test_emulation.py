@@ -105,6 +105,7 @@ def test_end_to_end_benchmark_emulates_ranks_and_writes_every_step(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["regime"]["ranks"] == 3 and 0 < results["regime"]["baseline_attention_share_of_compute"] < 1
     assert results["regime"]["timing_repeats"] == 3
+    assert results["regime"]["spare_cpu_cores"] >= 0 and not results["regime"]["other_cpu_cores"] < 0
     for name in ("static", BALANCED):
         variant = results["variants"][name]
         assert variant["steps"] and all(len(step["rank_s"]) == 3 for step in variant["steps"])
