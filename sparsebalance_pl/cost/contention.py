@@ -1,4 +1,4 @@
-"""How much other work shared this process's CPUs while a profile ran.
+"""How much other work shared this process's CPUs while a profile (or a benchmark's timing) ran.
 
 A latency table measured beside another job is too slow (the demo model's quick profile predicted 2.2x the
 quiet times with one busy loop on a 2-core machine) and is cached for every later run. Timing repeats cannot
@@ -15,14 +15,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-#: Other work may use this many cores beyond the ones a profile leaves free before its table is called busy.
+#: Other work may use this many cores beyond the ones the measured block leaves free before it is called busy.
 TOLERATED_CORES = 0.25
 
 
 @dataclass
 class CpuContention:
     """Filled when ``measure_contention`` exits. ``other_cores``: the mean number of this process's CPUs other
-    work kept busy (None where unknown); ``spare_cores``: how many of them the profile left free."""
+    work kept busy (None where unknown); ``spare_cores``: how many of them the measured block left free."""
 
     spare_cores: int
     other_cores: float | None = None
