@@ -1,7 +1,8 @@
 """How much other work shared this process's CPUs while a profile (or a benchmark's timing) ran.
 
-A latency table measured beside another job is too slow (the demo model's quick profile predicted 2.2x the
-quiet times with one busy loop on a 2-core machine) and is cached for every later run. Timing repeats cannot
+A latency table measured beside another job is too slow (the demo model's quick profile, with one busy loop
+through most of it on a 2-core machine, predicted 2.1-2.4x the quiet profiles' times for three micro-batches)
+and is cached for every later run. Timing repeats cannot
 tell: steady contention slows every sweep alike. The kernel's CPU counters can: the busy time of this
 process's CPUs (including time the hypervisor took) minus this process's own CPU time is what others used.
 Linux only (``/proc/stat``); elsewhere nothing is measured.
