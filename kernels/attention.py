@@ -18,11 +18,12 @@ from torch.autograd.function import once_differentiable
 
 from .layout import TileLayout, check_attention_inputs
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "flex")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """"auto" is triton on CUDA tensors and torch otherwise; triton on CPU needs TRITON_INTERPRET=1."""
+    """"auto" is triton on CUDA tensors and torch otherwise; triton on CPU needs TRITON_INTERPRET=1; flex runs
+    anywhere, but only forward on the CPU."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
@@ -33,7 +34,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _implementation(backend: str):
-    module = {"torch": "attention_torch", "triton": "attention_triton"}[backend]
+    module = {"torch": "attention_torch", "triton": "attention_triton", "flex": "attention_flex"}[backend]
     return importlib.import_module(f".{module}", __package__)
 
 
@@ -71,10 +72,13 @@ def block_sparse_attention(
     [docs + 1] from 0 to T; block_mask bool [Hq, ceil(T/B), ceil(T/B)]; scale defaults to D ** -0.5.
     Returns [T, Hq, D] in q's dtype, differentiable in q, k and v. A query with no allowed key gets output 0
     and zero gradients. ``backend``: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (any device,
-    cost proportional to the kept tiles), "auto" (triton on CUDA tensors, torch otherwise).
+    cost proportional to the kept tiles), "flex" (PyTorch's FlexAttention, compiled on CUDA; forward only on the
+    CPU), "auto" (triton on CUDA tensors, torch otherwise).
     """
     check_attention_inputs(q, k, v, block_mask, cu_seqlens, block_size)
     impl = _implementation(resolve_backend(backend, q.device))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    layout = TileLayout.build(block_mask, cu_seqlens, k.shape[1], block_size)
+    layout = TileLayout.build(block_mask, cu_seqlens, q.shape[0], k.shape[1], block_size)
+    if hasattr(impl, "attend"):  # a backend with its own autograd
+        return impl.attend(q, k, v, layout, scale)
     return _BlockSparseAttention.apply(q, k, v, layout, scale, impl)

@@ -84,8 +84,9 @@ def _build_plan(layout: TileLayout) -> _Plan:
     """Every chunk's slot lists and token masks come from a few whole-stream ops sliced per chunk, and each
     token mask is computed once per distinct (query block, key block) and shared by the heads: building
     them chunk by chunk and head by head cost about 5% of a forward and backward."""
-    block, nb, device = layout.block_size, layout.num_blocks, layout.row_ptr.device
-    counts = layout.row_ptr[1:] - layout.row_ptr[:-1]
+    block, nb, device = layout.block_size, layout.num_blocks, layout.kept.device
+    csr = layout.rows()
+    counts = csr.row_ptr[1:] - csr.row_ptr[:-1]
     order = torch.argsort(counts, descending=True, stable=True)
     widths = counts[order].tolist()
     active = sum(1 for c in widths if c > 0)
@@ -108,9 +109,9 @@ def _build_plan(layout: TileLayout) -> _Plan:
     slot = torch.arange(int(row_end[-1]), device=device) - (row_end - row_width)[elem_row]
     rows = order[elem_row]
     valid = slot < counts[rows]
-    tile = torch.where(valid, layout.row_ptr[rows] + slot, 0)
-    full = valid & ~layout.tile_partial[tile]
-    kb = torch.where(valid, layout.tile_col[tile], nb)
+    tile = torch.where(valid, csr.row_ptr[rows] + slot, 0)
+    full = valid & ~csr.tile_partial[tile]
+    kb = torch.where(valid, csr.tile_col[tile], nb)
     kv_slots = ((rows // nb) // layout.group_size) * (nb + 1) + kb
     # Token masks of the tiles that need one (partial tiles and padding slots), once per distinct tile.
     masked = torch.nonzero(~full).squeeze(1)

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launches import launch
 from .layout import TileLayout
 
 # Kernel constants (Triton reads only constexpr globals): the stored natural-log lse times _LOG2E is the
@@ -49,9 +50,9 @@ def _scores(q, k, offs_m, offs_n, doc_q, doc_k, qk_scale, PRECISION: tl.constexp
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, DOC, ROW_PTR, COLS,
+    Q, K, V, O, LSE, DOC, COUNT, INDEX,
     qk_scale, T, NB,
-    stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -63,25 +64,23 @@ def _fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < T
     d_ok = offs_d < HEAD_DIM
-    q_ptrs = offs_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
     q_mask = m_ok[:, None] & d_ok[None, :]
-    q = _load(Q + q_ptrs, q_mask, UPCAST)
+    q = _load(Q + offs_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :], q_mask, UPCAST)
     doc_q = tl.load(DOC + offs_m, mask=m_ok, other=-1)
-    kv = K + (head // GROUP) * stride_kh
-    vv = V + (head // GROUP) * stride_kh
+    kk = K + (head // GROUP) * stride_kh
+    vv = V + (head // GROUP) * stride_vh
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    start = tl.load(ROW_PTR + head * NB + qb)
-    end = tl.load(ROW_PTR + head * NB + qb + 1)
-    for i in range(start, end):
-        kb = tl.load(COLS + i)
+    row = head * NB + qb
+    for i in range(0, tl.load(COUNT + row)):
+        kb = tl.load(INDEX + row * NB + i)
         for n0 in range(0, BLOCK, BLOCK_N):
             offs_n = kb * BLOCK + n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < T
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = _load(kv + offs_n[:, None] * stride_kt + offs_d[None, :], kv_mask, UPCAST)
-            v = _load(vv + offs_n[:, None] * stride_kt + offs_d[None, :], kv_mask, UPCAST)
+            k = _load(kk + offs_n[:, None] * stride_kt + offs_d[None, :], kv_mask, UPCAST)
+            v = _load(vv + offs_n[:, None] * stride_vt + offs_d[None, :], kv_mask, UPCAST)
             doc_k = tl.load(DOC + offs_n, mask=n_ok, other=-2)
             s = _scores(q, k, offs_m, offs_n, doc_q, doc_k, qk_scale, PRECISION)
             new_max = tl.maximum(row_max, tl.max(s, axis=1))
@@ -93,18 +92,21 @@ def _fwd_kernel(
             row_max = new_max
     has_keys = row_sum > 0
     out = acc / tl.where(has_keys, row_sum, 1.0)[:, None]
-    tl.store(O + q_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
+    tl.store(O + offs_m[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=q_mask)
     lse2 = row_max + tl.log2(tl.where(has_keys, row_sum, 1.0))
     tl.store(LSE + head * T + offs_m, tl.where(has_keys, lse2 * _LN2, float("-inf")), mask=m_ok)
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, DOC, ROW_PTR, COLS,
+    Q, K, V, O, DO, DQ, LSE, DELTA, DOC, COUNT, INDEX,
     qk_scale, scale, T, NB,
-    stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    """dQ of one query sub-block and head; also stores its rows' delta = rowsum(O * dO), which the dK/dV
+    kernel launched after it reads."""
     sub_blocks: tl.constexpr = BLOCK // BLOCK_M
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -113,38 +115,40 @@ def _dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < T
     d_ok = offs_d < HEAD_DIM
-    q_ptrs = offs_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
     q_mask = m_ok[:, None] & d_ok[None, :]
-    q = _load(Q + q_ptrs, q_mask, UPCAST)
-    do = _load(DO + q_ptrs, q_mask, UPCAST)
+    rows = offs_m[:, None]
+    q = _load(Q + rows * stride_qt + head * stride_qh + offs_d[None, :], q_mask, UPCAST)
+    do = _load(DO + rows * stride_dot + head * stride_doh + offs_d[None, :], q_mask, UPCAST)
+    o = tl.load(O + rows * stride_ot + head * stride_oh + offs_d[None, :], mask=q_mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + head * T + offs_m, delta, mask=m_ok)
     doc_q = tl.load(DOC + offs_m, mask=m_ok, other=-1)
     lse = _load_lse2(LSE + head * T + offs_m, m_ok)
-    delta = tl.load(DELTA + head * T + offs_m, mask=m_ok, other=0.0)
-    kv = K + (head // GROUP) * stride_kh
-    vv = V + (head // GROUP) * stride_kh
+    kk = K + (head // GROUP) * stride_kh
+    vv = V + (head // GROUP) * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    start = tl.load(ROW_PTR + head * NB + qb)
-    end = tl.load(ROW_PTR + head * NB + qb + 1)
-    for i in range(start, end):
-        kb = tl.load(COLS + i)
+    row = head * NB + qb
+    for i in range(0, tl.load(COUNT + row)):
+        kb = tl.load(INDEX + row * NB + i)
         for n0 in range(0, BLOCK, BLOCK_N):
             offs_n = kb * BLOCK + n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < T
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = _load(kv + offs_n[:, None] * stride_kt + offs_d[None, :], kv_mask, UPCAST)
-            v = _load(vv + offs_n[:, None] * stride_kt + offs_d[None, :], kv_mask, UPCAST)
+            k = _load(kk + offs_n[:, None] * stride_kt + offs_d[None, :], kv_mask, UPCAST)
+            v = _load(vv + offs_n[:, None] * stride_vt + offs_d[None, :], kv_mask, UPCAST)
             doc_k = tl.load(DOC + offs_n, mask=n_ok, other=-2)
             p = tl.exp2(_scores(q, k, offs_m, offs_n, doc_q, doc_k, qk_scale, PRECISION) - lse[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(DQ + q_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+    tl.store(DQ + rows * stride_dqt + head * stride_dqh + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=q_mask)
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, DOC, COL_PTR, ROWS,
+    Q, K, V, DO, DKV, LSE, DELTA, DOC, COUNT, INDEX,
     qk_scale, scale, T, NB,
-    stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -157,24 +161,21 @@ def _dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < T
     d_ok = offs_d < HEAD_DIM
-    kv_ptrs = offs_n[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
     kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = _load(K + kv_ptrs, kv_mask, UPCAST)
-    v = _load(V + kv_ptrs, kv_mask, UPCAST)
+    k = _load(K + offs_n[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], kv_mask, UPCAST)
+    v = _load(V + offs_n[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], kv_mask, UPCAST)
     doc_k = tl.load(DOC + offs_n, mask=n_ok, other=-2)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    start = tl.load(COL_PTR + head * NB + kb)
-    end = tl.load(COL_PTR + head * NB + kb + 1)
-    for i in range(start, end):
-        qb = tl.load(ROWS + i)
+    row = head * NB + kb
+    for i in range(0, tl.load(COUNT + row)):
+        qb = tl.load(INDEX + row * NB + i)
         for m0 in range(0, BLOCK, BLOCK_M):
             offs_m = qb * BLOCK + m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < T
-            q_ptrs = offs_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
             q_mask = m_ok[:, None] & d_ok[None, :]
-            q = _load(Q + q_ptrs, q_mask, UPCAST)
-            do = _load(DO + q_ptrs, q_mask, UPCAST)
+            q = _load(Q + offs_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :], q_mask, UPCAST)
+            do = _load(DO + offs_m[:, None] * stride_dot + head * stride_doh + offs_d[None, :], q_mask, UPCAST)
             doc_q = tl.load(DOC + offs_m, mask=m_ok, other=-1)
             lse = _load_lse2(LSE + head * T + offs_m, m_ok)
             delta = tl.load(DELTA + head * T + offs_m, mask=m_ok, other=0.0)
@@ -183,10 +184,11 @@ def _dkdv_kernel(
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
-    # Per query head partials ([T, Hq, D] fp32, q's layout), summed over each KV group afterwards.
-    part_ptrs = offs_n[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
-    tl.store(DK + part_ptrs, dk * scale, mask=kv_mask)
-    tl.store(DV + part_ptrs, dv, mask=kv_mask)
+    # Per query head partials in DKV [2, T, Hq, D] (fp32, contiguous), summed over each KV group afterwards.
+    num_heads = tl.num_programs(1)
+    part = (offs_n[:, None] * num_heads + head) * HEAD_DIM + offs_d[None, :]
+    tl.store(DKV + part, dk * scale, mask=kv_mask)
+    tl.store(DKV + T * num_heads * HEAD_DIM + part, dv, mask=kv_mask)
 
 def _launch_meta(q: torch.Tensor, layout: TileLayout) -> dict:
     tile = min(layout.block_size, 64)
@@ -203,29 +205,46 @@ def _launch_meta(q: torch.Tensor, layout: TileLayout) -> dict:
         num_warps=4,
     )
 
-def _strides(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
-    return q.stride(0), q.stride(1), k.stride(0), k.stride(1)
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [T, H, D] with unit stride along D, which the kernels need; other strides are passed to them."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _strides(*tensors: torch.Tensor) -> list[int]:
+    return [stride for x in tensors for stride in x.stride()[:2]]
+
 
 def _check_dtype(q: torch.Tensor) -> None:
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"the triton backend supports float32, float16 and bfloat16, got {q.dtype}")
+
+
+def _doc(layout: TileLayout) -> torch.Tensor:
+    if "doc32" not in layout.scratch:
+        layout.scratch["doc32"] = layout.doc.to(torch.int32)
+    return layout.scratch["doc32"]
+
 
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TileLayout, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output [T, Hq, D] in q's dtype and the natural-log log-sum-exp [Hq, T] (-inf on rows with no key)."""
     _check_dtype(q)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = _rows(q), _rows(k), _rows(v)
     num_tokens, num_q_heads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(num_q_heads, num_tokens, dtype=torch.float32, device=q.device)
     meta = _launch_meta(q, layout)
     grid = (layout.num_blocks * (layout.block_size // meta["BLOCK_M"]), num_q_heads)
-    _fwd_kernel[grid](
-        q, k, v, out, lse, layout.doc.to(torch.int32), layout.row_ptr.to(torch.int32), layout.tile_col.to(torch.int32),
-        scale * _LOG2E.value, num_tokens, layout.num_blocks, *_strides(q, k), **meta,
+    lists = layout.lists()
+    launch(
+        _fwd_kernel, grid,
+        q, k, v, out, lse, _doc(layout), lists.count, lists.index,
+        scale * _LOG2E.value, num_tokens, layout.num_blocks, *_strides(q, k, v, out), **meta,
     )
     return out, lse
+
 
 def backward(
     q: torch.Tensor,
@@ -238,29 +257,28 @@ def backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq from the kept key blocks of each query block; dk and dv from the transposed lists."""
-    q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
-    num_tokens, num_q_heads, _ = q.shape
-    delta = (out.float() * grad_out.float()).sum(dim=-1).transpose(0, 1).contiguous()  # [Hq, T]
-    doc = layout.doc.to(torch.int32)
+    q, k, v, out, grad_out = _rows(q), _rows(k), _rows(v), _rows(out), _rows(grad_out)
+    num_tokens, num_q_heads, head_dim = q.shape
+    delta = torch.empty(num_q_heads, num_tokens, dtype=torch.float32, device=q.device)
     dq = torch.empty_like(q)
     meta = _launch_meta(q, layout)
-    common = (scale * _LOG2E.value, scale, num_tokens, layout.num_blocks, *_strides(q, k))
+    common = (scale * _LOG2E.value, scale, num_tokens, layout.num_blocks)
     grid_q = (layout.num_blocks * (layout.block_size // meta["BLOCK_M"]), num_q_heads)
-    _dq_kernel[grid_q](
-        q, k, v, grad_out, dq, lse, delta, doc, layout.row_ptr.to(torch.int32), layout.tile_col.to(torch.int32),
-        *common, **meta,
+    doc, lists = _doc(layout), layout.lists()
+    launch(
+        _dq_kernel, grid_q,
+        q, k, v, out, grad_out, dq, lse, delta, doc, lists.count, lists.index,
+        *common, *_strides(q, k, v, out, grad_out, dq), **meta,
     )
-    col_ptr, rows = layout.transposed()
     # One program per (key sub-block, query head): a KV head's work split over its group keeps the
     # always-kept first block of a long document (visited by every query block) from serialising.
-    dk_part = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    dv_part = torch.empty_like(dk_part)
+    dkv_part = torch.empty((2, *q.shape), dtype=torch.float32, device=q.device)
     grid_kv = (layout.num_blocks * (layout.block_size // meta["BLOCK_N"]), num_q_heads)
-    _dkdv_kernel[grid_kv](
-        q, k, v, grad_out, dk_part, dv_part, lse, delta, doc, col_ptr.to(torch.int32), rows.to(torch.int32),
-        *common, **meta,
+    lists = layout.lists(transposed=True)
+    launch(
+        _dkdv_kernel, grid_kv,
+        q, k, v, grad_out, dkv_part, lse, delta, doc, lists.count, lists.index,
+        *common, *_strides(q, k, v, grad_out), **meta,
     )
-    group_shape = (num_tokens, k.shape[1], layout.group_size, q.shape[-1])
-    dk = dk_part.view(group_shape).sum(dim=2).to(k.dtype)
-    dv = dv_part.view(group_shape).sum(dim=2).to(v.dtype)
-    return dq, dk, dv
+    dkv = dkv_part.view(2, num_tokens, k.shape[1], layout.group_size, head_dim).sum(dim=3).to(k.dtype)
+    return dq, dkv[0], dkv[1]

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 
 @contextmanager
@@ -33,17 +35,28 @@ def check_power_of_two(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive power of two, got {value!r}")
 
 
+def host_readable(x: torch.Tensor) -> bool:
+    """Whether reading ``x`` on the host is free: a CPU tensor, not one whose read would stall a device."""
+    return x.device.type == "cpu"
+
+
 def check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
-    """cu_seqlens: int32 [docs + 1], non-decreasing, from 0 to ``num_tokens``."""
+    """cu_seqlens: int32 [docs + 1], non-decreasing, from 0 to ``num_tokens``.
+
+    The offsets themselves are checked only on the CPU: reading them from a device would stall it on every
+    call. Device offsets are checked once where the batch is built (``datamodules.packing``), before they are
+    moved.
+    """
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         raise ValueError("cu_seqlens must be a 1-D int32 tensor [docs + 1]")
     if cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens must hold at least two offsets (one document)")
-    bounds = cu_seqlens.cpu()
-    if bounds[0] != 0 or bounds[-1] != num_tokens or bool((bounds[1:] < bounds[:-1]).any()):
+    if not host_readable(cu_seqlens):
+        return
+    if cu_seqlens[0] != 0 or cu_seqlens[-1] != num_tokens or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
         raise ValueError(
-            f"cu_seqlens must be non-decreasing from 0 to T={num_tokens}, got {bounds.tolist()[:8]}"
-            f"{'...' if bounds.numel() > 8 else ''}"
+            f"cu_seqlens must be non-decreasing from 0 to T={num_tokens}, got {cu_seqlens.tolist()[:8]}"
+            f"{'...' if cu_seqlens.numel() > 8 else ''}"
         )
 
 
@@ -103,17 +116,18 @@ def num_blocks(num_tokens: int, block_size: int) -> int:
 
 
 def token_doc_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Document index of every token, int64 [T]."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    docs = torch.arange(lengths.numel(), device=cu_seqlens.device)
-    return torch.repeat_interleave(docs, lengths, output_size=num_tokens)
+    """Document index of every token, int64 [T]: how many documents end at or before it (empty documents own
+    no token). Fixed shapes, nothing read back from the device."""
+    positions = torch.arange(num_tokens, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:], positions, right=True)
 
 
 def group_doc_range(doc: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """First and last document of each group of ``group`` tokens (the last group may be partial)."""
-    starts = torch.arange(0, doc.numel(), group, device=doc.device)
-    ends = torch.clamp(starts + group - 1, max=doc.numel() - 1)
-    return doc[starts], doc[ends]
+    first, last = doc[::group], doc[group - 1 :: group]
+    if doc.numel() % group:
+        last = torch.cat([last, doc[-1:]])
+    return first, last
 
 
 def candidate_tiles(doc: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -142,14 +156,12 @@ def forced_tiles(
     if local_blocks < 1 or sink_blocks < 0:
         raise ValueError(f"local_blocks must be >= 1 and sink_blocks >= 0, got {local_blocks} and {sink_blocks}")
     first, _ = group_doc_range(doc, block_size)
-    n = first.numel()
-    rows = torch.arange(n, device=doc.device)
-    behind = rows[:, None] - rows[None, :]
-    forced = (behind >= 0) & (behind < local_blocks)
-    sink = cu_seqlens.to(doc.device).long()[first] // block_size
-    for offset in range(sink_blocks):
-        forced[rows, (sink + offset).clamp(max=n - 1)] = True
-    return forced & (behind >= 0)
+    blocks = torch.arange(first.numel(), device=doc.device)
+    behind = blocks[:, None] - blocks[None, :]
+    past_sink = blocks[None, :] - cu_seqlens.long()[first][:, None] // block_size
+    window = behind < local_blocks
+    sink = (past_sink >= 0) & (past_sink < sink_blocks)
+    return (behind >= 0) & (window | sink)
 
 
 def pair_mask(
@@ -168,15 +180,38 @@ def pair_mask(
     return allowed & kept
 
 
+class TileRows(NamedTuple):
+    """The kept tiles of a layout as compressed rows, ``r = h * nB + qb`` over query heads and query blocks:
+    ``tile_col`` lists each row's kept key blocks in increasing order, ``row_ptr`` where each row starts, and
+    ``tile_partial`` which tiles need token-level masking. Its length is data: building it reads the device."""
+
+    row_ptr: torch.Tensor  # int64 [Hq * nB + 1]
+    tile_row: torch.Tensor  # int64 [P]
+    tile_col: torch.Tensor  # int64 [P]
+    tile_partial: torch.Tensor  # bool [P]
+
+
+class TileLists(NamedTuple):
+    """The kept tiles of a layout in fixed shapes, as FlexAttention's ``BlockMask`` holds them: for every row
+    (query head, block) its number of kept blocks and their indices in increasing order, the rest of the row
+    undefined. The lists of key blocks per query block drive the forward, the transposed ones (query blocks per
+    key block) the key and value gradients. Built without reading anything back from the device."""
+
+    count: torch.Tensor  # int32 [Hq, nB]
+    index: torch.Tensor  # int32 [Hq, nB, nB]
+
+
 @dataclass(frozen=True)
 class TileLayout:
-    """The kept tiles of one attention call as CSR lists, plus the token document ids.
+    """The kept tiles of one attention call over a stream of blocks, plus the token document ids.
 
-    Rows are ``r = h * nB + qb`` over query heads; ``tile_col`` lists the kept key blocks of each row in
-    increasing order. Tiles that hold no allowed pair are dropped, so every backend visits only tiles with
-    work. ``tile_partial`` marks tiles that need token-level masking (diagonal, or a block touching more
-    than one document); the others are fully allowed. Backends keep what they derive from the layout
-    (chunk plans, transposed lists) in ``scratch`` so the backward reuses the forward's work.
+    ``kept`` [Hq, nB, nB] marks the tiles with work: kept by the block mask, causal, and sharing a document;
+    tiles that hold no allowed pair are dropped, so every backend visits only tiles with work. ``partial``
+    [nB, nB] marks the tiles that need token-level masking (diagonal, or a block touching more than one
+    document); kept tiles outside it are fully allowed. Both are fixed-shape masks, so a layout is built
+    without host synchronisation; each backend derives the form it walks: ``lists`` (Triton and flex, fixed
+    shapes) or ``rows`` (the torch backend, compressed, sized by the data). Backends keep what they derive in
+    ``scratch`` so the backward reuses the forward's work.
     """
 
     num_tokens: int
@@ -185,23 +220,19 @@ class TileLayout:
     num_q_heads: int
     num_kv_heads: int
     doc: torch.Tensor  # int64 [T]
-    row_ptr: torch.Tensor  # int64 [Hq * nB + 1]
-    tile_row: torch.Tensor  # int64 [P]
-    tile_col: torch.Tensor  # int64 [P]
-    tile_partial: torch.Tensor  # bool [P]
+    kept: torch.Tensor  # bool [Hq, nB, nB]
+    partial: torch.Tensor  # bool [nB, nB]
     scratch: dict = field(default_factory=dict, compare=False, repr=False)  # per-backend derived data
 
     @staticmethod
-    @single_threaded()
-    def build(block_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_kv_heads: int, block_size: int) -> "TileLayout":
-        num_tokens = int(cu_seqlens[-1])
-        doc = token_doc_ids(cu_seqlens.to(block_mask.device), num_tokens)
-        blocks = torch.arange(block_mask.shape[1], device=block_mask.device)
-        kept = block_mask & candidate_tiles(doc, block_size)
-        return TileLayout._from_tiles(kept, doc, doc, blocks, blocks, num_kv_heads, block_size)
+    def build(
+        block_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int, num_kv_heads: int, block_size: int
+    ) -> "TileLayout":
+        """The layout of ``block_sparse_attention`` over a whole stream of ``num_tokens`` tokens."""
+        doc = token_doc_ids(cu_seqlens, num_tokens)
+        return TileLayout._from_tiles(block_mask, doc, doc, None, None, num_kv_heads, block_size)
 
     @staticmethod
-    @single_threaded()
     def build_ring_step(
         block_mask: torch.Tensor | None,
         doc: torch.Tensor,
@@ -238,7 +269,6 @@ class TileLayout:
         )
 
     @staticmethod
-    @single_threaded()
     def build_sink_step(
         block_mask: torch.Tensor | None,
         doc: torch.Tensor,
@@ -268,46 +298,62 @@ class TileLayout:
         kept: torch.Tensor,
         stream_doc: torch.Tensor,
         doc: torch.Tensor,
-        q_blocks: torch.Tensor,
-        k_blocks: torch.Tensor,
+        q_blocks: torch.Tensor | None,
+        k_blocks: torch.Tensor | None,
         num_kv_heads: int,
         block_size: int,
     ) -> "TileLayout":
-        """CSR lists of ``kept`` [Hq, nQ, nK]: query blocks ``q_blocks`` against key blocks ``k_blocks`` of the
-        stream whose documents are ``doc``, laid out in a stream with documents ``stream_doc`` whose last nQ
-        blocks are the query blocks and whose first nK blocks are the key blocks (the same blocks when the
-        stream is the whole one)."""
-        num_q_heads = kept.shape[0]
+        """The layout of ``kept`` [Hq, nQ, nK]: query blocks ``q_blocks`` against key blocks ``k_blocks`` (None:
+        every block of the stream) of the stream whose documents are ``doc``, laid out in a stream with
+        documents ``stream_doc`` whose last nQ blocks are the query blocks and whose first nK blocks are the key
+        blocks (the same blocks when the stream is the whole one). Tiles outside the causal document ranges are
+        dropped here."""
+        num_q_heads, n_q, n_k = kept.shape
         nb = num_blocks(stream_doc.numel(), block_size)
-        head, i, j = kept.nonzero(as_tuple=True)
-        row = head * nb + (nb - q_blocks.numel()) + i
-        counts = torch.bincount(row, minlength=num_q_heads * nb)
-        row_ptr = torch.zeros(num_q_heads * nb + 1, dtype=torch.long, device=row.device)
-        torch.cumsum(counts, 0, out=row_ptr[1:])
         first, last = group_doc_range(doc, block_size)
-        qb, kb = q_blocks[i], k_blocks[j]
-        single_doc = first[kb] == last[qb]  # blocks kb..qb all inside one document
+        if q_blocks is None:
+            q_blocks = k_blocks = torch.arange(nb, device=doc.device)
+            first_q, last_q, first_k, last_k = first, last, first, last
+        else:
+            first_q, last_q, first_k, last_k = first[q_blocks], last[q_blocks], first[k_blocks], last[k_blocks]
+        qb, kb = q_blocks[:, None], k_blocks[None, :]
+        single_doc = first_k[None, :] == last_q[:, None]  # blocks kb..qb all inside one document
+        tiles = kept & (kb <= qb) & (first_q[:, None] <= last_k[None, :])
         partial = (qb == kb) | ~single_doc
-        return TileLayout(
-            stream_doc.numel(), block_size, nb, num_q_heads, num_kv_heads, stream_doc, row_ptr, row, j, partial
-        )
+        if n_q != nb or n_k != nb:  # a ring step: queries are the stream's last blocks, keys its first
+            tiles = F.pad(tiles, (0, nb - n_k, nb - n_q, 0))
+            partial = F.pad(partial, (0, nb - n_k, nb - n_q, 0))
+        return TileLayout(stream_doc.numel(), block_size, nb, num_q_heads, num_kv_heads, stream_doc, tiles, partial)
 
     @property
     def group_size(self) -> int:
         return self.num_q_heads // self.num_kv_heads
 
-    def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """CSR by key-block row ``h * nB + kb``: (col_ptr [Hq * nB + 1], query blocks in increasing order)."""
-        if "transposed" not in self.scratch:
-            head = self.tile_row // self.num_blocks
-            qb = self.tile_row % self.num_blocks
-            key = head * self.num_blocks + self.tile_col
-            order = torch.argsort(key * self.num_blocks + qb)
-            counts = torch.bincount(key, minlength=self.num_q_heads * self.num_blocks)
-            col_ptr = torch.zeros_like(self.row_ptr)
-            torch.cumsum(counts, 0, out=col_ptr[1:])
-            self.scratch["transposed"] = (col_ptr, qb[order])
-        return self.scratch["transposed"]
+    def rows(self) -> TileRows:
+        """The kept tiles as compressed rows (``TileRows``); reads the tile count back from the device."""
+        if "rows" not in self.scratch:
+            head, qb, kb = self.kept.nonzero(as_tuple=True)
+            row = head * self.num_blocks + qb
+            counts = self.kept.sum(-1).flatten()
+            row_ptr = torch.zeros(counts.numel() + 1, dtype=torch.long, device=row.device)
+            torch.cumsum(counts, 0, out=row_ptr[1:])
+            self.scratch["rows"] = TileRows(row_ptr, row, kb, self.partial[qb, kb])
+        return self.scratch["rows"]
+
+    def lists(self, transposed: bool = False) -> TileLists:
+        """Kept key blocks per query block, or with ``transposed`` kept query blocks per key block (``TileLists``)."""
+        key = "lists_t" if transposed else "lists"
+        if key not in self.scratch:
+            self.scratch[key] = tile_lists(self.kept, transposed)
+        return self.scratch[key]
+
+
+def tile_lists(tiles: torch.Tensor, transposed: bool = False) -> TileLists:
+    """The ``TileLists`` of bool ``tiles`` [H, nB, nB] by row, or with ``transposed`` by column."""
+    tiles = tiles.transpose(1, 2) if transposed else tiles
+    index = torch.argsort(tiles, dim=-1, descending=True, stable=True)
+    index = index.to(torch.int32, memory_format=torch.contiguous_format)  # sorting a transpose keeps its strides
+    return TileLists(tiles.sum(-1, dtype=torch.int32), index)
 
 
 def _striped_tiles(

@@ -226,7 +226,7 @@ def _forward(ring: _Ring, impl, q, k, v, scale):
 def _attend_step(impl, layout, q, kv, scale, out, lse):
     """One step's attention of this rank's queries to ``kv``, merged into ``out`` and ``lse`` in place; returns
     the step's lse [Hq, T/W] (None when the step keeps no tile)."""
-    if not layout.tile_col.numel():
+    if not layout.rows().tile_col.numel():
         return None
     out_step, lse_step = impl.forward(_as_queries(q, layout), _as_keys(kv[0], layout), _as_keys(kv[1], layout),
                                       layout, scale)
@@ -434,7 +434,10 @@ def sparse_ring_attention(
     if block_mask is not None:
         rows_of = world_size if block_mask.shape[1:2] == (q.shape[0] // block_size,) else 1
         check_block_mask(block_mask, q.shape[1], num_tokens, block_size, q.device, rows_of=rows_of)
-    impl = _implementation(resolve_backend(backend, q.device))
+    resolved = resolve_backend(backend, q.device)
+    if resolved == "flex":
+        raise ValueError("ring attention runs on the torch or triton backend; flex attends whole streams only")
+    impl = _implementation(resolved)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     doc = token_doc_ids(cu_seqlens.to(q.device), num_tokens)
     sinks = sink_blocks(cu_seqlens.to(q.device), num_tokens // block_size, block_size, world_size)

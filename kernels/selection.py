@@ -106,8 +106,7 @@ class BlockRanking:
     forced: torch.Tensor  # int64 [nB], always-kept blocks of each query block
     order: torch.Tensor  # int64 [Hq, nB, nB], key blocks in rank order
     sorted_mass: torch.Tensor  # float [Hq, nB, nB], their estimated mass (non-candidates 0)
-    mass_before: torch.Tensor  # float [Hq, nB, nB], estimated mass of the blocks ranked before each rank
-    row_mass: torch.Tensor  # float [Hq, nB, 1], estimated mass of each row (1 up to rounding)
+    cumulative: torch.Tensor  # float [Hq, nB, nB], estimated mass of the blocks ranked up to each rank
     # exact mass of each row's probe tokens (``recall_probes``) on its blocks in rank order, cumulative; None: no probes
     probe_cumulative: torch.Tensor | None = None  # float [Hq, nB, nB]
     per_head_tau: bool = False  # tau is each head's target exact recall on the probe tokens
@@ -119,7 +118,7 @@ class BlockRanking:
         if self.per_head_tau:
             count = self._calibrated_counts(taus, max_density)
         else:
-            count = _kept_counts(self.mass_before, self.row_mass, self.candidates, self.forced, taus, max_density)
+            count = _kept_counts(self.cumulative, self.candidates, self.forced, taus, max_density)
         if max_tiles is None:
             return count
         return torch.stack([self._within(count[..., i], max_tiles) for i in range(count.shape[-1])], dim=-1)
@@ -128,9 +127,10 @@ class BlockRanking:
         """Top-p counts [Hq, nB, M] whose exact recall on the probe tokens reaches each tau, head by head: each
         head keeps, at every row, the estimated-mass top-p prefix of the least threshold of ``_CALIBRATION_GRID``
         whose probe recall over all the head's rows (the whole stream's) is at least tau, then the cap."""
-        taus = torch.as_tensor(taus, dtype=self.mass_before.dtype, device=self.mass_before.device).reshape(-1)
+        _check_taus(taus)
+        taus = torch.as_tensor(taus, dtype=self.cumulative.dtype, device=self.cumulative.device).reshape(-1)
         grid = torch.as_tensor(_CALIBRATION_GRID, dtype=taus.dtype, device=taus.device)
-        counts = _kept_counts(self.mass_before, self.row_mass, self.candidates, self.forced, grid, None)
+        counts = _kept_counts(self.cumulative, self.candidates, self.forced, grid, None)
         kept = self.probe_cumulative.gather(-1, (counts - 1).clamp(min=0))  # [Hq, nB, G]
         rows = self._total(torch.ones_like(kept[0, :, 0]).sum())
         recall = self._total(kept.sum(dim=1)) / rows  # [Hq, G], non-decreasing: the masks are nested
@@ -138,8 +138,6 @@ class BlockRanking:
         reached[..., -1] = True
         pick = reached.float().argmax(dim=-1)  # [Hq, M]: first grid point reaching each tau
         count = counts.gather(-1, pick[:, None, :].expand(-1, counts.shape[1], -1))
-        if bool(((taus <= 0) | (taus > 1)).any()):
-            raise ValueError(f"every tau must lie in (0, 1], got {taus.tolist()}")
         if max_density is not None:
             check_fraction("max_density", max_density)
             cap = torch.maximum(self.forced, (max_density * self.candidates).floor().long())
@@ -153,7 +151,7 @@ class BlockRanking:
         forced, mass = self._optional_mass(count)
         ordered = mass.flatten().sort(descending=True).values
         spare = torch.as_tensor(max_tiles, device=count.device) - forced.sum()
-        first_dropped = ordered[spare.clamp(0, ordered.numel() - 1).long()]
+        first_dropped = ordered.gather(0, spare.clamp(0, ordered.numel() - 1).long().reshape(1))
         return forced + (mass > first_dropped).sum(dim=-1)
 
     def _optional_mass(self, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,6 +164,11 @@ class BlockRanking:
     def _total(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over every row of the stream: these rows are all of them."""
         return x
+
+    @property
+    def row_mass(self) -> torch.Tensor:
+        """float [Hq, nB, 1], the estimated mass of each row (1 up to rounding)."""
+        return self.cumulative[..., -1:]
 
     def select(
         self, tau: float, max_density: float | None = None, max_tiles=None
@@ -180,8 +183,7 @@ class BlockRanking:
     def stats(self, kept: torch.Tensor) -> "SelectionStats":
         """The ``SelectionStats`` of keeping the first ``kept`` [Hq, nB] blocks of each row's ranking."""
         last = (kept - 1).clamp(min=0)[..., None]
-        kept_mass = self.mass_before.gather(-1, last) + self.sorted_mass.gather(-1, last)
-        kept_mass = kept_mass[..., 0] / self.row_mass[..., 0]
+        kept_mass = self.cumulative.gather(-1, last)[..., 0] / self.row_mass[..., 0]
         if self.probe_cumulative is not None:
             kept_mass = self._calibrated_mass(kept_mass, self.probe_cumulative.gather(-1, last)[..., 0])
         return SelectionStats(self, kept, kept_mass)
@@ -250,15 +252,40 @@ def check_fraction(name: str, value: float) -> None:
         raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
 
 
-def _kept_counts(mass_before, row_mass, candidates, forced, taus, max_density) -> torch.Tensor:
-    """Top-p counts [Hq, nB, M] for M values of tau: ranks whose preceding mass is below tau of the row,
-    at least the forced blocks, at most the candidates, then the cap (never below the forced blocks)."""
-    taus = torch.as_tensor(taus, dtype=mass_before.dtype, device=mass_before.device).reshape(-1)
-    if bool(((taus <= 0) | (taus > 1)).any()):
-        raise ValueError(f"every tau must lie in (0, 1], got {taus.tolist()}")
-    count = torch.searchsorted(mass_before, (taus * row_mass).contiguous())
-    all_candidates = candidates[:, None].expand_as(count)
-    count = torch.where(taus >= 1, all_candidates, count)
+def _check_taus(taus) -> None:
+    """Every tau in (0, 1]; a tensor of them is checked where it is made (no device read here)."""
+    if not isinstance(taus, torch.Tensor):
+        bad = [tau for tau in taus if not 0 < tau <= 1]
+        if bad:
+            raise ValueError(f"every tau must lie in (0, 1], got {list(taus)}")
+
+
+def _check_taus(taus) -> None:
+    """Every tau in (0, 1]; a tensor of them is checked where it is made (no device read here)."""
+    if not isinstance(taus, torch.Tensor):
+        bad = [tau for tau in taus if not 0 < tau <= 1]
+        if bad:
+            raise ValueError(f"every tau must lie in (0, 1], got {list(taus)}")
+
+
+def _kept_counts(cumulative, candidates, forced, taus, max_density) -> torch.Tensor:
+    """Top-p counts [Hq, nB, M] for M values of tau: the ranks whose preceding mass is below tau of the row (one
+    more than the ranks whose mass up to them is below it), at least the forced blocks, at most the candidates,
+    then the cap (never below the forced blocks). A single tau given as a number enters as a scalar, so that a
+    new budget costs no transfer to the device."""
+    _check_taus(taus)
+    all_candidates = candidates[:, None]
+    row_mass = cumulative[..., -1:]
+    if not isinstance(taus, torch.Tensor) and len(taus) == 1:
+        tau = float(taus[0])
+        if tau >= 1:
+            count = all_candidates.expand(*cumulative.shape[:-1], 1)
+        else:
+            count = torch.searchsorted(cumulative, row_mass * tau) + 1
+    else:
+        taus = torch.as_tensor(taus, dtype=cumulative.dtype, device=cumulative.device).reshape(-1)
+        count = torch.searchsorted(cumulative, (taus * row_mass).contiguous()) + 1
+        count = torch.where(taus >= 1, all_candidates, count)
     count = torch.minimum(torch.maximum(count, forced[:, None]), all_candidates)
     if max_density is not None:
         check_fraction("max_density", max_density)
@@ -422,12 +449,13 @@ def rank_blocks(
     """Scores every candidate block (module docstring) and ranks each row's blocks once; ``select`` then
     applies budgets. Arguments as ``select_blocks``; ``options`` are ``SELECTION_OPTIONS``."""
     options = selection_options(**options)
-    estimate, scale = _scoring(q, k, cu_seqlens, q.shape[0], block_size, stride, scale, backend, options)
-    return BlockRanking(*_rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate, options=options))
+    estimate, ranker, scale = _scoring(q, k, cu_seqlens, q.shape[0], block_size, stride, scale, backend, options)
+    return BlockRanking(*_rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate, ranker, options=options))
 
 
 def _scoring(q, k, cu_seqlens, num_tokens: int, block_size: int, stride: int, scale, backend: str, options: dict):
-    """Checks the scoring arguments of a stream of ``num_tokens``; returns (the backend's mass estimate, scale)."""
+    """Checks the scoring arguments of a stream of ``num_tokens``; returns (the backend's mass estimate, its
+    ranking of the scored rows, scale)."""
     check_power_of_two("block_size", block_size)
     check_power_of_two("stride", stride)
     if stride > block_size:
@@ -435,39 +463,65 @@ def _scoring(q, k, cu_seqlens, num_tokens: int, block_size: int, stride: int, sc
     check_qk(q, k)
     check_cu_seqlens(cu_seqlens, num_tokens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if options["estimate"] == "sampled":  # torch on every backend: the Triton kernel scores antidiagonals only
-        return sampled_block_mass, scale
-    if resolve_backend(backend, q.device) == "triton":
-        from .selection_triton import estimate_block_mass as estimate
+    if _scores_with_triton(resolve_backend(backend, q.device), q.device):
+        from . import selection_triton
 
-        return estimate, scale
-    return estimate_block_mass, scale
+        # the Triton kernel scores antidiagonals only
+        estimate = sampled_block_mass if options["estimate"] == "sampled" else selection_triton.estimate_block_mass
+        return estimate, selection_triton.rank_block_mass, scale
+    estimate = sampled_block_mass if options["estimate"] == "sampled" else estimate_block_mass
+    return estimate, rank_block_mass, scale
 
 
-def _rank_rows(q, k, cu_seqlens, block_size: int, stride: int, scale: float, estimate, q_blocks=None,
+_BLOCK_BITS = (1 << 20) - 1  # rank keys hold a block index in their low 20 bits
+
+
+def _scores_with_triton(backend: str, device: torch.device) -> bool:
+    """The Triton kernels score and rank for the triton backend, and for flex on CUDA (flex has no scoring)."""
+    return backend == "triton" or (backend == "flex" and device.type == "cuda")
+
+
+def rank_keys(mass: torch.Tensor, candidates: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """int64 keys whose descending order is each row's ranking: always-kept blocks first, then the other
+    candidates by estimated mass, then the rest; ties go to the lower block. The key packs, from the top bit
+    down, forced, candidate, the mass's float bits (non-negative floats order as their bits) and the block
+    index reversed, so one sort ranks and no two keys are equal."""
+    blocks = torch.arange(mass.shape[-1], device=mass.device)
+    bits = torch.where(candidates, mass.float().view(torch.int32), 0).long()
+    return (forced.long() << 52) | (candidates.long() << 51) | (bits << 20) | (_BLOCK_BITS - blocks)
+
+
+def rank_block_mass(mass: torch.Tensor, doc: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
+                    sink_blocks: int, local_blocks: int, q_blocks: torch.Tensor | None = None) -> tuple:
+    """Each row of estimated block masses ``mass`` [Hq, nQ, nB] ranked by ``rank_keys``, for the query blocks
+    ``q_blocks`` (None: every block) of the stream with token documents ``doc``: (candidate and forced blocks
+    per query block [nQ], order, sorted_mass, cumulative [Hq, nQ, nB], as ``BlockRanking`` holds them)."""
+    candidates = candidate_tiles(doc, block_size)
+    forced = forced_tiles(doc, cu_seqlens, block_size, sink_blocks, local_blocks) & candidates
+    if q_blocks is not None:
+        candidates, forced = candidates[q_blocks], forced[q_blocks]
+    order = rank_keys(mass, candidates, forced).argsort(dim=-1, descending=True)
+    sorted_mass = torch.where(candidates, mass, 0.0).gather(-1, order)
+    return candidates.sum(-1), forced.sum(-1), order, sorted_mass, sorted_mass.cumsum(dim=-1)
+
+
+def _rank_rows(q, k, cu_seqlens, block_size: int, stride: int, scale: float, estimate, ranker, q_blocks=None,
                options: dict | None = None) -> tuple:
     """``BlockRanking``'s fields for the query blocks ``q_blocks`` (None: all) of the stream whose keys are
-    ``k``, scored by ``estimate``: forced blocks first, then candidates by estimated mass, then the rest."""
+    ``k``, scored by ``estimate`` and ranked by ``ranker`` (``rank_block_mass``)."""
     options = selection_options(**(options or {}))
     with torch.no_grad():
-        doc = token_doc_ids(cu_seqlens.to(q.device), k.shape[0])
+        doc = token_doc_ids(cu_seqlens, k.shape[0])
         mass = estimate(q, k, doc, block_size, stride, scale)
-        candidates = candidate_tiles(doc, block_size)
-        forced = forced_tiles(doc, cu_seqlens, block_size, options["sink_blocks"], options["local_blocks"])
-        forced &= candidates
-        if q_blocks is not None:
-            candidates, forced = candidates[q_blocks], forced[q_blocks]
-        priority = torch.where(candidates, mass + 2.0 * forced, torch.full_like(mass, -1.0))
-        order = priority.argsort(dim=-1, descending=True)
-        sorted_mass = torch.where(candidates, mass, torch.zeros_like(mass)).gather(-1, order)
-        cumulative = sorted_mass.cumsum(dim=-1)
-        mass_before = F.pad(cumulative[..., :-1], (1, 0)).contiguous()
+        candidates, forced, order, sorted_mass, cumulative = ranker(
+            mass, doc, cu_seqlens, block_size, options["sink_blocks"], options["local_blocks"], q_blocks
+        )
         probe = None
         if options["recall_probes"]:
-            probe = probe_block_mass(q, k, doc, block_size, scale, options["recall_probes"], q_blocks)
-            probe = torch.where(candidates, probe, torch.zeros_like(probe)).gather(-1, order).cumsum(dim=-1)
-        return (candidates.sum(-1), forced.sum(-1), order, sorted_mass, mass_before, cumulative[..., -1:], probe,
-                options["per_head_tau"])
+            probe = probe_block_mass(q, k, doc, block_size, scale, options["recall_probes"], q_blocks).gather(-1, order)
+            ranks = torch.arange(order.shape[-1], device=order.device)
+            probe = torch.where(ranks < candidates[:, None], probe, 0.0).cumsum(dim=-1)
+        return candidates, forced, order, sorted_mass, cumulative, probe, options["per_head_tau"]
 
 
 def select_blocks(
@@ -588,7 +642,7 @@ def _document_tiles(kept_rows, candidates, cu_seqlens, num_tokens, block_size, q
     """([docs] kept tiles over all heads, [docs] candidate tiles of one head) of the query blocks ``q_blocks``
     (None: all), each counted for the document it starts in; int64, so sums over ranks are exact."""
     kept = kept_rows.sum(0)  # [nQ]
-    doc_ids = token_doc_ids(cu_seqlens.to(kept.device), num_tokens)
+    doc_ids = token_doc_ids(cu_seqlens, num_tokens)
     block_doc = doc_ids[::block_size]
     if q_blocks is not None:
         block_doc = block_doc[q_blocks]
@@ -725,15 +779,15 @@ def rank_blocks_striped(
         )
     num_tokens = q.shape[0] * world_size
     options = selection_options(**options)
-    estimate, scale = _scoring(q, k, cu_seqlens, num_tokens, block_size, stride, scale, backend, options)
+    estimate, ranker, scale = _scoring(q, k, cu_seqlens, num_tokens, block_size, stride, scale, backend, options)
     q_blocks = None
-    if world_size > 1:
+    if world_size > 1:  # the torch kernels score and rank a subset of the rows
         q_blocks = striped_blocks(num_blocks(num_tokens, block_size), world_size, rank, q.device)
         torch_estimate = sampled_block_mass if options["estimate"] == "sampled" else estimate_block_mass
-        estimate = partial(torch_estimate, q_blocks=q_blocks)
+        estimate, ranker = partial(torch_estimate, q_blocks=q_blocks), rank_block_mass
         with torch.no_grad():
             k = _gather_stream(k.detach(), group, world_size, block_size)
-    fields = _rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate, q_blocks, options)
+    fields = _rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate, ranker, q_blocks, options)
     return StripedRanking(*fields, group=group, world_size=world_size, rank=rank, q_blocks=q_blocks)
 
 

@@ -78,7 +78,7 @@ def test_computed_striped_counts_equal_the_ring_layouts():
     for rank in range(w):
         for t in range(w):
             layout = TileLayout.build_ring_step(mask, doc, 3, 1, block, world_size=w, rank=rank, source=(rank - t) % w)
-            assert layout.tile_col.numel() == steps[t, rank]
+            assert layout.rows().tile_col.numel() == steps[t, rank]
 
 
 def test_bad_arguments_fail_in_one_line(capsys):

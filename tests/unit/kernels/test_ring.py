@@ -56,10 +56,11 @@ def _stream(seed, num_tokens, dtype=torch.float64, keep=0.5):
 
 def _global_tiles(layout, q_blocks, k_blocks):
     """{(head, global query block, global key block): partial} of a ring-step layout."""
-    local_rows = layout.tile_row % layout.num_blocks - (layout.num_blocks - q_blocks.numel())
-    heads = (layout.tile_row // layout.num_blocks).tolist()
-    rows, cols = q_blocks[local_rows].tolist(), k_blocks[layout.tile_col].tolist()
-    return {(h, r, c): p for h, r, c, p in zip(heads, rows, cols, layout.tile_partial.tolist())}
+    tiles = layout.rows()
+    local_rows = tiles.tile_row % layout.num_blocks - (layout.num_blocks - q_blocks.numel())
+    heads = (tiles.tile_row // layout.num_blocks).tolist()
+    rows, cols = q_blocks[local_rows].tolist(), k_blocks[tiles.tile_col].tolist()
+    return {(h, r, c): p for h, r, c, p in zip(heads, rows, cols, tiles.tile_partial.tolist())}
 
 
 @pytest.mark.parametrize("with_mask", [True, False])
@@ -70,7 +71,7 @@ def test_ring_step_layouts_cover_the_whole_stream_layout(with_mask):
     _, _, _, cu, mask = _stream(1, num_tokens, keep=0.3)
     mask = mask if with_mask else torch.ones_like(mask)
     doc = token_doc_ids(cu, num_tokens)
-    whole = TileLayout.build(mask, cu, 2, 16)
+    whole = TileLayout.build(mask, cu, num_tokens, 2, 16)
     want = _global_tiles(whole, torch.arange(16), torch.arange(16))
     got = {}
     for rank in range(world_size):

@@ -1,0 +1,153 @@
+"""Counting what a piece of work asks of the device: kernel launches and host synchronisations.
+
+On a GPU every aten op that computes something is a kernel launch costing a few microseconds of host time,
+and every op whose result the host must read (``.item()``, ``.tolist()``, ``nonzero``, a Python ``if`` on a
+tensor, ...) stalls the host until the device has caught up, so the next launches cannot be queued ahead.
+Both can be counted on the CPU, where the same ops run: a ``TorchDispatchMode`` sees every aten op, a
+``TorchFunctionMode`` sees the tensor methods that hand data to Python without an aten op (``tolist``,
+``cpu``, ``numpy``, ``__bool__``), and the Triton kernels of this package go through ``launch``, which counts
+them. Under ``TRITON_INTERPRET=1`` the interpreter's own tensor traffic inside a launch is not counted: on a
+GPU a launch is one call.
+
+Work run on other threads (the torch backend's worker threads, the autograd engine's device threads) is not
+seen; count with one torch thread on the CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Ops that allocate or relabel memory without running a kernel.
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "lift_fresh",
+              "resize_"}
+# Ops whose output size or value the host must read from the device.
+_ALWAYS_SYNC = {
+    "_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive",
+    "unique_dim_consecutive", "bincount", "equal", "is_nonzero",
+}
+# Tensor methods that hand a tensor's data to Python without an aten op.
+_HOST_READS = {
+    torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.__bool__,
+    torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__,
+}
+
+
+@dataclass
+class LaunchCount:
+    """What counted work asked of the device: ``ops`` (aten ops that run a kernel, by name), ``triton`` (Triton
+    kernels launched, by name) and ``syncs`` (host reads of device data, by what read)."""
+
+    ops: Counter = field(default_factory=Counter)
+    triton: Counter = field(default_factory=Counter)
+    syncs: Counter = field(default_factory=Counter)
+
+    @property
+    def launches(self) -> int:
+        return sum(self.ops.values()) + sum(self.triton.values())
+
+    @property
+    def host_syncs(self) -> int:
+        return sum(self.syncs.values())
+
+    def summary(self) -> str:
+        syncs = ", ".join(f"{name} x{n}" for name, n in self.syncs.most_common()) or "none"
+        return f"{self.launches} launches ({sum(self.triton.values())} Triton), {self.host_syncs} host syncs ({syncs})"
+
+
+_state = threading.local()
+
+
+def _active() -> list[LaunchCount]:
+    if not hasattr(_state, "counts"):
+        _state.counts, _state.paused = [], 0
+    return _state.counts
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, counted by every active ``count_launches``."""
+    counts = _active()
+    for count in counts:
+        count.triton[kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)] += 1
+    _state.paused += 1
+    try:
+        kernel[grid](*args, **kwargs)
+    finally:
+        _state.paused -= 1
+
+
+def _is_sync(func, name: str, args, kwargs) -> str | None:
+    if name in _ALWAYS_SYNC:
+        return name
+    tensor_repeats = func.name().endswith("Tensor")  # repeats given per element: the output size is their sum
+    if name == "repeat_interleave" and tensor_repeats and kwargs.get("output_size") is None:
+        return "repeat_interleave without output_size"
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            return f"{name} with a boolean mask"
+    return None
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self, count: LaunchCount) -> None:
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _state.paused:
+            name = func.overloadpacket.__name__
+            sync = _is_sync(func, name, args, kwargs)
+            if sync is not None:
+                self.count.syncs[sync] += 1
+            if not (func.is_view or name in _NO_KERNEL):
+                self.count.ops[name] += 1
+        return func(*args, **kwargs)
+
+
+class _HostReadCounter(TorchFunctionMode):
+    def __init__(self, count: LaunchCount) -> None:
+        super().__init__()
+        self.count = count
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _state.paused:
+            return func(*args, **kwargs)
+        read = func in _HOST_READS or (func is torch.Tensor.to and _to_host(args[1:], kwargs))
+        if read:
+            self.count.syncs[f"Tensor.{func.__name__}"] += 1
+            _state.paused += 1  # the aten ops under a host read are that one read
+        try:
+            return func(*args, **kwargs)
+        finally:
+            if read:
+                _state.paused -= 1
+
+
+def _to_host(args, kwargs) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` moves the tensor to the CPU."""
+    for target in (*args, kwargs.get("device")):
+        if isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu":
+            return True
+    return False
+
+
+@contextmanager
+def count_launches():
+    """Counts the launches and host synchronisations of the work inside (this thread): yields a ``LaunchCount``."""
+    count = LaunchCount()
+    counts = _active()
+    counts.append(count)
+    try:
+        with _HostReadCounter(count), _OpCounter(count):
+            yield count
+    finally:
+        counts.remove(count)
