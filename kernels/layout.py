@@ -44,8 +44,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
     """cu_seqlens: int32 [docs + 1], non-decreasing, from 0 to ``num_tokens``.
 
     The offsets themselves are checked only on the CPU: reading them from a device would stall it on every
-    call. Device offsets are checked once where the batch is built (``datamodules.packing``), before they are
-    moved.
+    call. Offsets on a device are trusted; a packed batch's are cumulative document lengths, valid by
+    construction (``datamodules.packing.collate_packed``).
     """
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         raise ValueError("cu_seqlens must be a 1-D int32 tensor [docs + 1]")
