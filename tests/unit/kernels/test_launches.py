@@ -1,0 +1,63 @@
+"""The launch and host-synchronisation counter, and the budget it holds the device path to: one layer's selection
+and attention, forward and backward, on the Triton path (the interpreter's on the CPU) reads nothing back from
+the device, and launches as many kernels whatever the number of documents and the stream's length."""
+
+import os
+
+import pytest
+import torch
+
+from sparsebalance_pl.kernels import LayerBudget, block_sparse_attention, select_with_budget
+from sparsebalance_pl.kernels import layout as layout_module
+from sparsebalance_pl.kernels.launches import count_launches
+
+TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_the_counter_sees_launches_and_every_kind_of_host_read():
+    x = torch.arange(6.0)
+    with count_launches() as count:
+        y = x + 1
+        y.sum().item()
+        y.tolist()
+        bool(y[0] > 0)
+        torch.nonzero(y > 2)
+        y[y > 2]
+        torch.repeat_interleave(torch.tensor([1, 2]))
+        torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)  # sized: no read
+        y.view(2, 3).t()  # views launch nothing
+    assert count.ops["add"] == 1 and count.ops["sum"] == 1 and "view" not in count.ops and "t" not in count.ops
+    assert count.syncs == {
+        "Tensor.item": 1, "Tensor.tolist": 1, "Tensor.__bool__": 1, "nonzero": 1, "index with a boolean mask": 1,
+        "repeat_interleave without output_size": 1,
+    }
+    assert count.launches == sum(count.ops.values())
+
+
+def _layer(num_tokens: int, docs: int, budget: LayerBudget):
+    """Counts one layer's selection (with the stats a module logs) and attention, forward and backward."""
+    gen = torch.Generator().manual_seed(num_tokens + docs)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (torch.randn(num_tokens, h, 16, generator=gen).to(device).requires_grad_() for h in (2, 1, 1))
+    cu_seqlens = torch.linspace(0, num_tokens, docs + 1).round().int().to(device)
+    with count_launches() as count:
+        selection = select_with_budget(q.detach(), k.detach(), cu_seqlens, budget, LayerBudget(0.9), block_size=16,
+                                       stride=8, backend="triton")
+        for stats in (selection.stats, selection.base_stats):
+            stats.mean_density(), stats.mean_kept_mass()
+        out = block_sparse_attention(q, k, v, selection.mask, cu_seqlens, block_size=16, backend="triton")
+        out.sum().backward()
+    return count
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("budget", [LayerBudget(0.9), LayerBudget(0.95, None, 0.7)], ids=["base", "tuned"])
+def test_the_device_path_reads_nothing_back_and_launches_a_fixed_number_of_kernels(monkeypatch, budget):
+    # On a device the offsets are not read back (check_cu_seqlens); these CPU tensors stand in for device ones.
+    monkeypatch.setattr(layout_module, "host_readable", lambda tensor: False)
+    counts = {(n, docs): _layer(n, docs, budget) for n, docs in [(32, 1), (256, 1), (256, 64)]}
+    for count in counts.values():
+        assert count.host_syncs == 0, count.summary()
+    launches = {key: count.launches for key, count in counts.items()}
+    assert len(set(launches.values())) == 1, launches
+    assert counts[(32, 1)].ops == counts[(256, 64)].ops and counts[(32, 1)].triton == counts[(256, 64)].triton
