@@ -1,4 +1,4 @@
-"""Block-sparse attention speed against dense causal SDPA, and block selection cost.
+"""Block-sparse attention speed against dense causal SDPA, block selection cost, and launches per layer.
 
 One process, one packed stream. For each density and each kind of mask (``--masks``):
 
@@ -9,10 +9,19 @@ One process, one packed stream. For each density and each kind of mask (``--mask
 
 The density column is the mask's real one (kept over candidate tiles). Variants are timed alternately,
 repetition by repetition, and medians are quoted with their ratio to dense: on a shared machine only such
-in-run ratios mean anything.
+in-run ratios mean anything. On CUDA the dense baselines are SDPA as PyTorch dispatches it, SDPA forced to
+cuDNN (on K/V repeated to the query heads, outside the timing) and FlexAttention with every causal block.
 
-    python benchmarks/attention.py            # issue 3 setting: 8192 tokens, 8/2 heads, d 64, block 64
+``--count`` adds what one layer asks of the device, selection plus attention forward and backward, per sparse
+backend: kernels launched and host synchronisations. On CUDA the profiler counts the kernels and
+``torch.cuda.set_sync_debug_mode("error")`` catches any synchronisation; on the CPU ``kernels.launches`` counts
+aten ops and Triton launches (the Triton path under ``TRITON_INTERPRET=1``) and host reads, its tensors standing
+in for device ones (``count_launches(as_device=True)``).
+
+    python benchmarks/attention.py            # 8192 tokens, 8/2 heads, d 64, block 64
     python benchmarks/attention.py --quick    # small and fast
+    python benchmarks/attention.py --device cuda --dtype bf16 --tokens 32768 --q-heads 14 --kv-heads 2 \
+        --densities 0.1 0.25 0.5 1.0 --count   # Qwen2.5-0.5B's attention on a GPU
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from sparsebalance_pl.kernels import attention_recall, block_sparse_attention, select_blocks
+from sparsebalance_pl.kernels import LayerBudget, attention_recall, block_sparse_attention, select_blocks
+from sparsebalance_pl.kernels import select_with_budget
+from sparsebalance_pl.kernels.launches import count_launches
 from sparsebalance_pl.kernels.layout import candidate_tiles, forced_tiles, token_doc_ids
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,9 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument(
-        "--backends", nargs="+", choices=["torch", "triton"], default=None,
-        help="sparse backends to time (default: torch, plus triton on CUDA)",
+        "--backends", nargs="+", choices=["torch", "triton", "flex"], default=None,
+        help="sparse backends to time (default: torch on the CPU, triton and flex on CUDA)",
     )
+    parser.add_argument("--count", action="store_true", help="also count launches and host syncs per layer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2048 tokens, 4/2 heads: a smoke run")
     args = parser.parse_args(argv)
@@ -86,7 +98,7 @@ def main(argv=None) -> None:
     grad = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     bounds = torch.linspace(0, args.tokens, args.docs + 1).round()
     cu_seqlens = bounds.to(device=device, dtype=torch.int32)
-    backends = args.backends or ["torch"] + (["triton"] if device.type == "cuda" else [])
+    backends = args.backends or (["triton", "flex"] if device.type == "cuda" else ["torch"])
 
     def select(tau=1.0, max_density=None):
         return select_blocks(
@@ -124,6 +136,9 @@ def main(argv=None) -> None:
         return run
 
     variants = {"dense fwd+bwd": dense(), "dense fwd": dense(backward=False), "selection": lambda: select(args.tau)}
+    if device.type == "cuda":
+        variants["cudnn fwd+bwd"] = cudnn_dense(q, k, v, grad, cu_seqlens)
+        variants["flex dense fwd+bwd"] = sparse(torch.ones_like(candidates).expand(args.q_heads, -1, -1), "flex")
     for key, mask in masks.items():
         for backend in backends:
             variants[(backend, *key)] = sparse(mask, backend)
@@ -148,6 +163,10 @@ def main(argv=None) -> None:
     print(f"{'variant':<18}{'mask':<11}{'density':>9}{'ms':>11}{'/ dense':>9}")
     base = med["dense fwd+bwd"]
     print(f"{'dense sdpa':<18}{'causal':<11}{1.0:>9.3f}{base * 1e3:>11.1f}{1.0:>9.3f}")
+    for name in ("cudnn fwd+bwd", "flex dense fwd+bwd"):
+        if name in med:
+            label = name.removesuffix(" fwd+bwd")
+            print(f"{label:<18}{'causal':<11}{1.0:>9.3f}{med[name] * 1e3:>11.1f}{med[name] / base:>9.3f}")
     for (kind, d), mask in masks.items():
         actual = float((mask & candidates).sum() / (candidates.sum() * args.q_heads))
         for backend in backends:
@@ -156,6 +175,60 @@ def main(argv=None) -> None:
     sel, fwd = med["selection"], med["dense fwd"]
     print(f"selection (stride {args.stride}): {sel * 1e3:.1f} ms = {sel / fwd:.3f} of dense forward "
           f"({fwd * 1e3:.1f} ms)")
+    if args.count:
+        budget = LayerBudget(args.tau)
+        for backend in backends:
+            launched, syncs = layer_launches(q, k, v, cu_seqlens, args.block_size, args.stride, budget, backend)
+            print(f"launches per layer ({backend}: selection, attention forward and backward): {launched}, "
+                  f"host syncs: {syncs}")
+
+
+def cudnn_dense(q, k, v, grad, cu_seqlens):
+    """Dense causal attention per document through cuDNN's SDPA, K/V repeated to the query heads beforehand."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+    k_full, v_full = (x.detach().repeat_interleave(group, dim=1).requires_grad_() for x in (k, v))
+    bounds = cu_seqlens.tolist()
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            outs = [F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1)[None] for x in (q, k_full, v_full)),
+                                                   is_causal=True)[0] for s, e in zip(bounds[:-1], bounds[1:])]
+        torch.autograd.grad(torch.cat(outs, dim=1).transpose(0, 1), (q, k_full, v_full), grad)
+    return run
+
+
+def layer_launches(q, k, v, cu_seqlens, block_size, stride, budget, backend) -> tuple[int, int | str]:
+    """(kernels launched, host synchronisations) of one layer's selection and attention, forward and backward."""
+
+    def layer():
+        selection = select_with_budget(q.detach(), k.detach(), cu_seqlens, budget, budget, block_size=block_size,
+                                       stride=stride, backend=backend)
+        out = block_sparse_attention(q, k, v, selection.mask, cu_seqlens, block_size=block_size, backend=backend)
+        torch.autograd.grad(out.sum(), (q, k, v))
+
+    if q.device.type != "cuda":
+        with count_launches(as_device=True) as count:
+            layer()
+        return count.launches, count.host_syncs
+    layer()  # compiled and cached before counting
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            layer()
+        syncs = 0
+    except RuntimeError as error:  # a synchronising call raised: name it
+        syncs = f"at least one ({str(error).splitlines()[0][:80]})"
+        profile = None
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    kernels = -1 if profile is None else sum(
+        1 for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
+    )
+    return kernels, syncs
 
 
 if __name__ == "__main__":

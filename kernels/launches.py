@@ -10,7 +10,8 @@ them. Under ``TRITON_INTERPRET=1`` the interpreter's own tensor traffic inside a
 GPU a launch is one call.
 
 Work run on other threads (the torch backend's worker threads, the autograd engine's device threads) is not
-seen; count with one torch thread on the CPU.
+seen; count with one torch thread on the CPU. With ``as_device``, CPU tensors stand in for device ones: the
+checks that read a tensor only where reading is free (``host_readable``) are skipped, as on a device.
 """
 
 from __future__ import annotations
@@ -66,8 +67,15 @@ _state = threading.local()
 
 def _active() -> list[LaunchCount]:
     if not hasattr(_state, "counts"):
-        _state.counts, _state.paused = [], 0
+        _state.counts, _state.paused, _state.as_device = [], 0, 0
     return _state.counts
+
+
+def host_readable(x: torch.Tensor) -> bool:
+    """Whether reading ``x`` on the host is free: a CPU tensor (unless ``count_launches(as_device=True)`` is
+    counting), not one whose read would stall a device."""
+    _active()
+    return x.device.type == "cpu" and not _state.as_device
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
@@ -141,13 +149,16 @@ def _to_host(args, kwargs) -> bool:
 
 
 @contextmanager
-def count_launches():
-    """Counts the launches and host synchronisations of the work inside (this thread): yields a ``LaunchCount``."""
+def count_launches(as_device: bool = False):
+    """Counts the launches and host synchronisations of the work inside (this thread): yields a ``LaunchCount``.
+    ``as_device``: CPU tensors stand in for device ones (module docstring)."""
     count = LaunchCount()
     counts = _active()
     counts.append(count)
+    _state.as_device += as_device
     try:
         with _HostReadCounter(count), _OpCounter(count):
             yield count
     finally:
+        _state.as_device -= as_device
         counts.remove(count)

@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .launches import host_readable
+
 
 @contextmanager
 def single_threaded():
@@ -33,11 +35,6 @@ def single_threaded():
 def check_power_of_two(name: str, value: int) -> None:
     if not isinstance(value, int) or value < 1 or value & (value - 1):
         raise ValueError(f"{name} must be a positive power of two, got {value!r}")
-
-
-def host_readable(x: torch.Tensor) -> bool:
-    """Whether reading ``x`` on the host is free: a CPU tensor, not one whose read would stall a device."""
-    return x.device.type == "cpu"
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
