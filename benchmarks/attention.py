@@ -27,6 +27,7 @@ in for device ones (``count_launches(as_device=True)``).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -66,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="sparse backends to time (default: torch on the CPU, triton and flex on CUDA)",
     )
     parser.add_argument("--count", action="store_true", help="also count launches and host syncs per layer")
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2048 tokens, 4/2 heads: a smoke run")
     args = parser.parse_args(argv)
@@ -175,12 +177,22 @@ def main(argv=None) -> None:
     sel, fwd = med["selection"], med["dense fwd"]
     print(f"selection (stride {args.stride}): {sel * 1e3:.1f} ms = {sel / fwd:.3f} of dense forward "
           f"({fwd * 1e3:.1f} ms)")
+    figures = {
+        "tokens": args.tokens, "device": str(device), "dtype": args.dtype, "selection_ms": sel * 1e3,
+        "dense_forward_ms": fwd * 1e3,
+        "dense_ms": {name.removesuffix(" fwd+bwd"): med[name] * 1e3 for name in med if "fwd+bwd" in name},
+        "sparse": [{"backend": backend, "mask": kind, "density": d, "ms": med[(backend, kind, d)] * 1e3}
+                   for (kind, d) in masks for backend in backends],
+    }
     if args.count:
-        budget = LayerBudget(args.tau)
+        budget, figures["launches"] = LayerBudget(args.tau), {}
         for backend in backends:
             launched, syncs = layer_launches(q, k, v, cu_seqlens, args.block_size, args.stride, budget, backend)
+            figures["launches"][backend] = {"kernels": launched, "host_syncs": syncs}
             print(f"launches per layer ({backend}: selection, attention forward and backward): {launched}, "
                   f"host syncs: {syncs}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
 
 
 def cudnn_dense(q, k, v, grad, cu_seqlens):

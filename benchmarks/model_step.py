@@ -23,6 +23,7 @@ block size, stride, tau), so the cost of a selection setting is timed beside the
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -56,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--attention", nargs="*", default=[], metavar="NAME:FIELD=VALUE,...",
                         help="extra sparse variants given by AttentionConfig fields")
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     return parser.parse_args(argv)
 
 
@@ -115,11 +117,15 @@ def main(argv=None) -> None:
     print(f"{where}, documents {args.lengths}, {args.dtype} on {args.device}, threads {torch.get_num_threads()}, "
           f"median of {args.reps}")
     print(f"{'variant':<20}{'density':>9}{'ms':>10}{'/ dense':>9}{'spread':>8}")
+    figures = {}
     for name, t in times.items():
         d = density[name]
         med = statistics.median(t)
         spread = statistics.pstdev(t) / statistics.fmean(t)  # how steadily this machine times one step
         print(f"{name:<20}{1.0 if d is None else d:>9.3f}{med * 1e3:>10.1f}{med / base:>9.3f}{spread:>8.3f}")
+        figures[name] = {"density": 1.0 if d is None else d, "ms": med * 1e3, "of_dense": med / base}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"lengths": args.lengths, "dtype": args.dtype, "variants": figures}))
 
 
 if __name__ == "__main__":

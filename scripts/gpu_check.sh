@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The prepared GPU check: run it first thing in any session that is lent a GPU, and put its table in the docs.
+#
+#   scripts/gpu_check.sh run     # on the GPU machine, through the device tool: `bash scripts/gpu_check.sh run`
+#   scripts/gpu_check.sh smoke   # on a CPU, the same commands at toy sizes (CI runs it, so the check cannot rot)
+#
+# `run` needs nothing carried: the GPU image's torch, triton, transformers and lightning serve the kernels'
+# benchmarks and the model step (the 8-rank SmolLM2 emulation needs wheels and the GGUF file: scripts/gpu_emulation.sh,
+# two more calls). It fits one 10-minute call: the CUDA tests, then block-sparse attention forward and backward in
+# Qwen2.5-0.5B's attention shape (14 query and 2 KV heads, head dim 64, block 64, bf16) at 8K, 32K and 128K
+# tokens against cuDNN's and FlexAttention's dense attention, at densities 0.1, 0.25, 0.5 and 1.0, the selection's
+# share of the dense forward and the kernels and host synchronisations of one layer, then a whole-model step of
+# Qwen2.5-0.5B's dimensions at 32K tokens, dense against sparse at density 0.25. It ends with one table of the
+# figures against their targets. Each part's log and JSON land in $OUT (the device tool brings them back).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+mode=${1:-}
+OUT=${OUT:-outputs/gpu_check}
+mkdir -p "$OUT"
+started=$SECONDS
+stamp() { echo "== $1 at $((SECONDS - started)) s"; }
+
+case "$mode" in
+run)
+  device=cuda dtype=bf16 heads=(--q-heads 14 --kv-heads 2 --head-dim 64 --block-size 64 --stride 16)
+  lengths=(8192 32768 131072) reps=(5 5 3) model=(--preset qwen2.5-0.5b --lengths 32768 --reps 3)
+  flex_variant=(--attention "flex cap=0.25:kernel_backend=flex,tau=1.0,max_density=0.25")
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, transformers, lightning
+print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__,
+      'lightning', lightning.__version__)"
+  stamp "CUDA tests"
+  timeout 240 python3 -m pytest -q --maxfail=10 -p no:cacheprovider tests/unit/kernels tests/unit/test_cuda.py \
+    2>&1 | tee "$OUT/cuda_tests.log" | tail -12
+  ;;
+smoke)
+  device=cpu dtype=fp32 heads=(--q-heads 2 --kv-heads 1 --head-dim 16 --block-size 16 --stride 8)
+  lengths=(256 512 1024) reps=(1 1 1) model=(--preset demo --lengths 512 --reps 1)
+  flex_variant=()  # FlexAttention has no backward on the CPU
+  echo "smoke run on the CPU: toy sizes, no CUDA tests" | tee "$OUT/cuda_tests.log"
+  ;;
+*)
+  echo "usage: scripts/gpu_check.sh run|smoke" >&2
+  exit 2
+  ;;
+esac
+
+for i in 0 1 2; do
+  stamp "attention at ${lengths[$i]} tokens"
+  timeout 300 python3 benchmarks/attention.py --device "$device" --dtype "$dtype" "${heads[@]}" \
+    --tokens "${lengths[$i]}" --densities 0.1 0.25 0.5 1.0 --masks selected --reps "${reps[$i]}" --count \
+    --json "$OUT/attention_${lengths[$i]}.json" 2>&1 | tee "$OUT/attention_${lengths[$i]}.log" | tail -16
+done
+stamp "model step"
+timeout 300 python3 benchmarks/model_step.py "${model[@]}" --dtype "$dtype" --device "$device" --taus 0.9 \
+  --max-densities 0.25 "${flex_variant[@]}" --json "$OUT/model_step.json" 2>&1 | tee "$OUT/model_step.log" | tail -8
+stamp "summary"
+python3 - "$OUT" <<'PY' | tee "$OUT/summary.md"
+import json, re, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+rows = []
+
+
+def row(check, figure, target=""):
+    rows.append(f"| {check} | {figure} | {target} |")
+
+
+tests = (out / "cuda_tests.log").read_text().strip().splitlines()
+row("CUDA tests", tests[-1] if tests else "no output")
+attention = {int(re.search(r"_(\d+)\.json", p.name).group(1)): json.loads(p.read_text())
+             for p in out.glob("attention_*.json")}
+for tokens, fig in sorted(attention.items()):
+    dense = fig["dense_ms"]
+    base = dense.get("cudnn", dense["dense"])
+    row(f"{tokens} tokens: dense fwd+bwd, ms", ", ".join(f"{k} {v:.2f}" for k, v in dense.items()))
+    for entry in fig["sparse"]:
+        row(f"{tokens}: {entry['backend']} sparse at density {entry['density']:g}, ms (of dense)",
+            f"{entry['ms']:.2f} ({entry['ms'] / base:.3f})")
+    full = [e["ms"] for e in fig["sparse"] if e["density"] == 1.0]
+    if full:
+        row(f"{tokens}: best sparse backend at density 1 / {'cuDNN' if 'cudnn' in dense else 'dense'}",
+            f"{min(full) / base:.3f}", "<= 1.25")
+    row(f"{tokens}: selection / dense forward", f"{fig['selection_ms'] / fig['dense_forward_ms']:.3f} "
+        f"({fig['selection_ms']:.2f} ms)", "<= 0.10")
+    low = [e for e in fig["sparse"] if e["density"] == 0.1]
+    if low:
+        best = min(low, key=lambda e: e["ms"])
+        row(f"{tokens}: selection + attention at density 0.1 ({best['backend']}), ms",
+            f"{fig['selection_ms'] + best['ms']:.2f}", "<= 0.5 on an H200" if tokens == 8192 else "")
+    for backend, count in fig.get("launches", {}).items():
+        row(f"{tokens}: kernels and host syncs per layer ({backend})", f"{count['kernels']}, {count['host_syncs']}",
+            "<= 40, 0")
+step = out / "model_step.json"
+if step.exists():
+    fig = json.loads(step.read_text())
+    for name, v in fig["variants"].items():
+        row(f"model step {fig['lengths']}: {name}, ms (of dense)", f"{v['ms']:.1f} ({v['of_dense']:.3f}, "
+            f"density {v['density']:.3f})", "<= 0.55 at density 0.25" if "0.25" in name else "")
+print("| check | figure | target |\n| --- | --- | --- |")
+print("\n".join(rows))
+PY
+stamp done
