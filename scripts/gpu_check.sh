@@ -16,7 +16,6 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 mode=${1:-}
 OUT=${OUT:-outputs/gpu_check}
-mkdir -p "$OUT"
 started=$SECONDS
 stamp() { echo "== $1 at $((SECONDS - started)) s"; }
 
@@ -25,6 +24,7 @@ run)
   device=cuda dtype=bf16 heads=(--q-heads 14 --kv-heads 2 --head-dim 64 --block-size 64 --stride 16)
   lengths=(8192 32768 131072) reps=(5 5 3) model=(--preset qwen2.5-0.5b --lengths 32768 --reps 3)
   flex_variant=(--attention "flex cap=0.25:kernel_backend=flex,tau=1.0,max_density=0.25")
+  mkdir -p "$OUT"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton, transformers, lightning
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__,
@@ -37,6 +37,7 @@ smoke)
   device=cpu dtype=fp32 heads=(--q-heads 2 --kv-heads 1 --head-dim 16 --block-size 16 --stride 8)
   lengths=(256 512 1024) reps=(1 1 1) model=(--preset demo --lengths 512 --reps 1)
   flex_variant=()  # FlexAttention has no backward on the CPU
+  mkdir -p "$OUT"
   echo "smoke run on the CPU: toy sizes, no CUDA tests" | tee "$OUT/cuda_tests.log"
   ;;
 *)
