@@ -16,6 +16,7 @@ import os
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import attention_flex
 from .layout import TileLayout, check_attention_inputs
 
 BACKENDS = ("auto", "torch", "triton", "flex")
@@ -34,7 +35,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _implementation(backend: str):
-    module = {"torch": "attention_torch", "triton": "attention_triton", "flex": "attention_flex"}[backend]
+    module = {"torch": "attention_torch", "triton": "attention_triton"}[backend]
     return importlib.import_module(f".{module}", __package__)
 
 
@@ -76,9 +77,58 @@ def block_sparse_attention(
     CPU), "auto" (triton on CUDA tensors, torch otherwise).
     """
     check_attention_inputs(q, k, v, block_mask, cu_seqlens, block_size)
-    impl = _implementation(resolve_backend(backend, q.device))
+    backend = resolve_backend(backend, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if backend != "flex" and torch.compiler.is_compiling():
+        return _compiled_attention(q, k, v, block_mask, cu_seqlens, block_size, scale, backend)[0]
     layout = TileLayout.build(block_mask, cu_seqlens, q.shape[0], k.shape[1], block_size)
-    if hasattr(impl, "attend"):  # a backend with its own autograd
-        return impl.attend(q, k, v, layout, scale)
-    return _BlockSparseAttention.apply(q, k, v, layout, scale, impl)
+    if backend == "flex":  # its own autograd, which torch.compile traces
+        return attention_flex.attend(q, k, v, layout, scale)
+    return _BlockSparseAttention.apply(q, k, v, layout, scale, _implementation(backend))
+
+
+# Under torch.compile the torch and Triton backends run as two custom ops, forward and backward, which it calls
+# without tracing them (their host-side planning would break its graph); each builds the layout it needs.
+@torch.library.custom_op(
+    "sparsebalance::block_sparse_attention", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor block_mask, Tensor cu_seqlens, int block_size, float scale, "
+           "str backend) -> (Tensor, Tensor)",
+)
+def _compiled_attention(q, k, v, block_mask, cu_seqlens, block_size, scale, backend):
+    layout = TileLayout.build(block_mask, cu_seqlens, q.shape[0], k.shape[1], block_size)
+    return _implementation(backend).forward(q, k, v, layout, scale)
+
+
+@_compiled_attention.register_fake
+def _(q, k, v, block_mask, cu_seqlens, block_size, scale, backend):
+    return torch.empty_like(q), _implementation(backend).lse_like(q, block_mask.shape[1], block_size)
+
+
+@torch.library.custom_op(
+    "sparsebalance::block_sparse_attention_backward", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor grad_out, Tensor block_mask, "
+           "Tensor cu_seqlens, int block_size, float scale, str backend) -> (Tensor, Tensor, Tensor)",
+)
+def _compiled_attention_backward(q, k, v, out, lse, grad_out, block_mask, cu_seqlens, block_size, scale, backend):
+    layout = TileLayout.build(block_mask, cu_seqlens, q.shape[0], k.shape[1], block_size)
+    return _implementation(backend).backward(q, k, v, out, lse, grad_out.contiguous(), layout, scale)
+
+
+@_compiled_attention_backward.register_fake
+def _(q, k, v, out, lse, grad_out, block_mask, cu_seqlens, block_size, scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _save_for_backward(ctx, inputs, output) -> None:
+    q, k, v, block_mask, cu_seqlens, ctx.block_size, ctx.scale, ctx.backend = inputs
+    ctx.save_for_backward(q, k, v, *output, block_mask, cu_seqlens)
+
+
+def _backward_of_compiled(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, block_mask, cu_seqlens = ctx.saved_tensors
+    grads = _compiled_attention_backward(q, k, v, out, lse, grad_out, block_mask, cu_seqlens, ctx.block_size,
+                                         ctx.scale, ctx.backend)
+    return *grads, None, None, None, None, None
+
+
+_compiled_attention.register_autograd(_backward_of_compiled, setup_context=_save_for_backward)

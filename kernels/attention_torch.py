@@ -244,6 +244,11 @@ def _kv_blocks(k: torch.Tensor, v: torch.Tensor, layout: TileLayout, dtype: torc
     return _to_blocks(k, layout, dtype, extra_block=True).mul_(scale), _to_blocks(v, layout, dtype, extra_block=True)
 
 
+def lse_like(q: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """An empty log-sum-exp of ``forward``'s shape and dtype."""
+    return q.new_empty(q.shape[1] * num_blocks, block_size, dtype=_compute_dtype(q.dtype))
+
+
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TileLayout, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -226,6 +226,11 @@ def _doc(layout: TileLayout) -> torch.Tensor:
     return layout.scratch["doc32"]
 
 
+def lse_like(q: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """An empty log-sum-exp of ``forward``'s shape and dtype."""
+    return q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TileLayout, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,9 +73,10 @@ def _active() -> list[LaunchCount]:
 
 def host_readable(x: torch.Tensor) -> bool:
     """Whether reading ``x`` on the host is free: a CPU tensor (unless ``count_launches(as_device=True)`` is
-    counting), not one whose read would stall a device."""
+    counting), not one whose read would stall a device, and not while torch.compile traces (a read would break
+    its graph)."""
     _active()
-    return x.device.type == "cpu" and not _state.as_device
+    return x.device.type == "cpu" and not _state.as_device and not torch.compiler.is_compiling()
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:

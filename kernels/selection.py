@@ -294,6 +294,10 @@ def _kept_counts(cumulative, candidates, forced, taus, max_density) -> torch.Ten
     return count
 
 
+@torch.library.custom_op(
+    "sparsebalance::estimate_block_mass", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor doc, int block_size, int stride, float scale, Tensor? q_blocks=None) -> Tensor",
+)
 def estimate_block_mass(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -353,6 +357,10 @@ def _query_positions(num_tokens: int, block_size: int, blocks: torch.Tensor) -> 
     return torch.where(pos < num_tokens, pos, torch.full_like(pos, -1))
 
 
+@torch.library.custom_op(
+    "sparsebalance::sampled_block_mass", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor doc, int block_size, int stride, float scale, Tensor? q_blocks=None) -> Tensor",
+)
 def sampled_block_mass(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -400,6 +408,11 @@ def sampled_block_mass(
     return mass / mass.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
 
 
+@torch.library.custom_op(
+    "sparsebalance::probe_block_mass", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor doc, int block_size, float scale, int probes, Tensor? q_blocks=None, "
+           "int seed=0) -> Tensor",
+)
 def probe_block_mass(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -433,6 +446,24 @@ def probe_block_mass(
         probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1)
         exact.append(F.pad(probs, (0, nb * block_size - num_tokens)).view(num_q_heads, -1, nb, block_size).sum(-1))
     return torch.cat(exact, dim=1).view(num_q_heads, blocks.numel(), probes, nb).mean(dim=2)
+
+
+@estimate_block_mass.register_fake
+@sampled_block_mass.register_fake
+def _block_mass_shape(q, k, doc, block_size, stride, scale, q_blocks=None):
+    return _mass_like(q, k, block_size, q_blocks)
+
+
+@probe_block_mass.register_fake
+def _probe_mass_shape(q, k, doc, block_size, scale, probes, q_blocks=None, seed=0):
+    return _mass_like(q, k, block_size, q_blocks)
+
+
+def _mass_like(q, k, block_size, q_blocks) -> torch.Tensor:
+    """An empty [Hq, nQ, nB] fp32 block-mass tensor: what torch.compile needs to know of the estimators, whose
+    chunking reads sizes on the host and which it therefore calls without tracing them (custom ops)."""
+    nb = num_blocks(k.shape[0], block_size)
+    return q.new_empty(q.shape[1], nb if q_blocks is None else q_blocks.shape[0], nb, dtype=torch.float32)
 
 
 def rank_blocks(

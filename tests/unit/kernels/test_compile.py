@@ -1,0 +1,82 @@
+"""One layer's sparse attention (selection, then block-sparse attention) under torch.compile on the CPU: no graph
+break, the compiled layer equals the eager one, and new budgets or stream lengths do not compile it again; the
+same for the compiled FlexAttention the flex backend runs on CUDA."""
+
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from sparsebalance_pl.kernels import LayerBudget, block_sparse_attention, select_with_budget
+from sparsebalance_pl.kernels.attention_flex import block_mask
+from sparsebalance_pl.kernels.layout import TileLayout
+
+BASE = LayerBudget(0.9)
+
+
+def layer(q, k, v, cu_seqlens, budget):
+    selection = select_with_budget(q.detach(), k.detach(), cu_seqlens, budget, BASE, block_size=16, stride=8,
+                                   backend="torch")
+    out = block_sparse_attention(q, k, v, selection.mask, cu_seqlens, block_size=16, backend="torch")
+    return out, selection.stats.mean_density(), selection.base_document_density
+
+
+def stream(num_tokens, docs, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(num_tokens, h, 16, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    return q, k, v, torch.linspace(0, num_tokens, docs + 1).round().int()
+
+
+class CountingBackend:
+    """A torch.compile backend that counts the graphs it is given and runs them as traced."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, graph, example_inputs):
+        self.graphs += 1
+        return graph.forward
+
+
+@pytest.mark.parametrize("budget", [BASE, LayerBudget(0.95, 0.6, 0.7)], ids=["base", "tuned"])
+def test_no_graph_break_and_the_compiled_layer_equals_the_eager_one(budget):
+    q, k, v, cu_seqlens = stream(256, 3)
+    explanation = torch._dynamo.explain(layer)(q, k, v, cu_seqlens, budget)
+    assert explanation.graph_break_count == 0, [str(b.reason)[:200] for b in explanation.break_reasons]
+    compiled = torch.compile(layer, fullgraph=True, backend=CountingBackend())
+    got, want = compiled(q, k, v, cu_seqlens, budget), layer(q, k, v, cu_seqlens, budget)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    grads = [torch.autograd.grad(out.sum(), (q, k, v)) for out in (got[0], want[0])]
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_new_budget_values_and_stream_lengths_do_not_compile_again():
+    backend = CountingBackend()
+    compiled = torch.compile(layer, backend=backend, dynamic=True)
+    budgets = [LayerBudget(0.95, 0.6, scale) for scale in (0.7, 0.5)] + [LayerBudget(0.85, 0.4, 1.3)]
+    for (num_tokens, docs), budget in zip([(256, 2), (320, 3), (512, 7)], budgets):
+        q, k, v, cu_seqlens = stream(num_tokens, docs, seed=num_tokens)
+        compiled(q, k, v, cu_seqlens, budget)[0].sum().backward()
+    assert backend.graphs == 1
+
+
+def test_flex_attention_compiles_twice_at_most_over_the_stream_lengths_of_an_epoch():
+    """The BlockMask of each stream (its lists, its document ids) enters the compiled attention as data: the first
+    stream's sizes are compiled as constants, the second's as symbols (torch.compile's automatic dynamic shapes
+    for the mask's tensors), and no later length compiles again."""
+    backend = CountingBackend()
+    compiled = torch.compile(flex_attention, backend=backend, dynamic=True)
+    graphs = []
+    for num_tokens, docs in [(256, 1), (320, 4), (448, 2), (512, 9), (384, 3), (640, 5)]:
+        q, k, v, cu_seqlens = stream(num_tokens, docs, seed=docs)
+        mask = torch.rand(4, num_tokens // 16, num_tokens // 16) < 0.5
+        layout = TileLayout.build(mask, cu_seqlens, num_tokens, 2, 16)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compiled(*(x.detach().transpose(0, 1)[None] for x in (q, k, v)), block_mask=block_mask(layout),
+                     enable_gqa=True)
+        graphs.append(backend.graphs)
+    assert graphs == [1, 2, 2, 2, 2, 2]
