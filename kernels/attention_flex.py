@@ -24,7 +24,7 @@ def block_mask(layout: TileLayout) -> BlockMask:
     """The layout as a ``BlockMask`` over its stream (batch of one), kept in the layout's scratch."""
     if "flex" not in layout.scratch:
         lists = [tile_lists(tiles, transposed) for transposed in (False, True)
-                 for tiles in (layout.kept & layout.partial, layout.kept & ~layout.partial)]
+                 for tiles in (layout.kept & layout.partial(), layout.kept & ~layout.partial())]
         pad = layout.num_blocks * layout.block_size - layout.num_tokens
         doc = F.pad(layout.doc, (0, pad), value=-1)  # padding tokens share no document with real ones
         kept, block = layout.kept, layout.block_size

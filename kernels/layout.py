@@ -203,7 +203,7 @@ class TileLayout:
     """The kept tiles of one attention call over a stream of blocks, plus the token document ids.
 
     ``kept`` [Hq, nB, nB] marks the tiles with work: kept by the block mask, causal, and sharing a document;
-    tiles that hold no allowed pair are dropped, so every backend visits only tiles with work. ``partial``
+    tiles that hold no allowed pair are dropped, so every backend visits only tiles with work. ``partial()``
     [nB, nB] marks the tiles that need token-level masking (diagonal, or a block touching more than one
     document); kept tiles outside it are fully allowed. Both are fixed-shape masks, so a layout is built
     without host synchronisation; each backend derives the form it walks: ``lists`` (Triton and flex, fixed
@@ -218,7 +218,6 @@ class TileLayout:
     num_kv_heads: int
     doc: torch.Tensor  # int64 [T]
     kept: torch.Tensor  # bool [Hq, nB, nB]
-    partial: torch.Tensor  # bool [nB, nB]
     scratch: dict = field(default_factory=dict, compare=False, repr=False)  # per-backend derived data
 
     @staticmethod
@@ -310,21 +309,27 @@ class TileLayout:
         first, last = group_doc_range(doc, block_size)
         if q_blocks is None:
             q_blocks = k_blocks = torch.arange(nb, device=doc.device)
-            first_q, last_q, first_k, last_k = first, last, first, last
+            first_q, last_k = first, last
         else:
-            first_q, last_q, first_k, last_k = first[q_blocks], last[q_blocks], first[k_blocks], last[k_blocks]
-        qb, kb = q_blocks[:, None], k_blocks[None, :]
-        single_doc = first_k[None, :] == last_q[:, None]  # blocks kb..qb all inside one document
-        tiles = kept & (kb <= qb) & (first_q[:, None] <= last_k[None, :])
-        partial = (qb == kb) | ~single_doc
+            first_q, last_k = first[q_blocks], last[k_blocks]
+        tiles = kept & (k_blocks[None, :] <= q_blocks[:, None]) & (first_q[:, None] <= last_k[None, :])
         if n_q != nb or n_k != nb:  # a ring step: queries are the stream's last blocks, keys its first
             tiles = F.pad(tiles, (0, nb - n_k, nb - n_q, 0))
-            partial = F.pad(partial, (0, nb - n_k, nb - n_q, 0))
-        return TileLayout(stream_doc.numel(), block_size, nb, num_q_heads, num_kv_heads, stream_doc, tiles, partial)
+        return TileLayout(stream_doc.numel(), block_size, nb, num_q_heads, num_kv_heads, stream_doc, tiles)
 
     @property
     def group_size(self) -> int:
         return self.num_q_heads // self.num_kv_heads
+
+    def partial(self) -> torch.Tensor:
+        """bool [nB, nB]: the tiles that need token-level masking, the diagonal and those whose blocks do not lie
+        in one document; computed where a backend asks (the torch and flex ones). In a ring step's stream
+        (keys, then queries) the same test on the stream's documents gives the global tiles' answer."""
+        if "partial" not in self.scratch:
+            first, last = group_doc_range(self.doc, self.block_size)
+            blocks = torch.arange(self.num_blocks, device=self.doc.device)
+            self.scratch["partial"] = (blocks[:, None] == blocks[None, :]) | (first[None, :] != last[:, None])
+        return self.scratch["partial"]
 
     def rows(self) -> TileRows:
         """The kept tiles as compressed rows (``TileRows``); reads the tile count back from the device."""
@@ -334,7 +339,7 @@ class TileLayout:
             counts = self.kept.sum(-1).flatten()
             row_ptr = torch.zeros(counts.numel() + 1, dtype=torch.long, device=row.device)
             torch.cumsum(counts, 0, out=row_ptr[1:])
-            self.scratch["rows"] = TileRows(row_ptr, row, kb, self.partial[qb, kb])
+            self.scratch["rows"] = TileRows(row_ptr, row, kb, self.partial()[qb, kb])
         return self.scratch["rows"]
 
     def lists(self, transposed: bool = False) -> TileLists:

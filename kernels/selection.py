@@ -18,7 +18,8 @@ lowest-mass blocks across all rows and heads, which loses the least estimated ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 from functools import partial
 
 import torch
@@ -94,6 +95,17 @@ class LayerBudget:
 
 
 
+class KnownBudget(NamedTuple):
+    """A budget the ranking kernel applied while it ranked: each row's kept count and kept share of its mass,
+    and the mask, or the masses of the optional blocks a tile bound cuts from (``selection_triton``)."""
+
+    kept: torch.Tensor  # int64 [Hq, nB]
+    kept_mass: torch.Tensor  # float [Hq, nB]
+    mask: torch.Tensor | None = None  # bool [Hq, nB, nB]
+    optional: torch.Tensor | None = None  # float [Hq, nB, nB] in rank order, -1 outside [forced, kept)
+    document_tiles: torch.Tensor | None = None  # int32 [2, docs]: kept tiles, candidate tiles of all heads
+
+
 @dataclass(frozen=True)
 class BlockRanking:
     """Every row's candidate key blocks ranked once: always-kept blocks first, then by estimated mass.
@@ -110,12 +122,18 @@ class BlockRanking:
     # exact mass of each row's probe tokens (``recall_probes``) on its blocks in rank order, cumulative; None: no probes
     probe_cumulative: torch.Tensor | None = None  # float [Hq, nB, nB]
     per_head_tau: bool = False  # tau is each head's target exact recall on the probe tokens
+    # {(tau, max_density): KnownBudget} the ranking kernel applied on the way
+    known: dict = field(default_factory=dict, compare=False, repr=False)
+    known_totals: dict = field(default_factory=dict, compare=False, repr=False)  # {heads: candidate tiles}
     q_blocks = None  # the query blocks the rows are (None: every block of the stream); not a field here
 
     def kept_at(self, taus, max_density: float | None = None, max_tiles=None) -> torch.Tensor:
         """[Hq, nB, len(taus)] blocks each row keeps at each tau, with the per-row cap ``max_density`` and a
         bound ``max_tiles`` (int or 0-d tensor) on the kept tiles of all rows together."""
-        if self.per_head_tau:
+        known = self._known(taus[0], max_density) if len(taus) == 1 and not torch.is_tensor(taus) else None
+        if known is not None:
+            count = known.kept[..., None]
+        elif self.per_head_tau:
             count = self._calibrated_counts(taus, max_density)
         else:
             count = _kept_counts(self.cumulative, self.candidates, self.forced, taus, max_density)
@@ -165,6 +183,12 @@ class BlockRanking:
         """``x`` summed over every row of the stream: these rows are all of them."""
         return x
 
+    def candidate_tiles(self, num_heads: int) -> torch.Tensor:
+        """0-d: the candidate tiles of ``num_heads`` heads, computed once for all the budgets priced on this ranking."""
+        if num_heads not in self.known_totals:
+            self.known_totals[num_heads] = self.candidates.sum() * num_heads
+        return self.known_totals[num_heads]
+
     @property
     def row_mass(self) -> torch.Tensor:
         """float [Hq, nB, 1], the estimated mass of each row (1 up to rounding)."""
@@ -177,8 +201,23 @@ class BlockRanking:
         check_fraction("tau", tau)
         if max_density is not None:
             check_fraction("max_density", max_density)
+        known = self._known(tau, max_density)
+        if known is not None and max_tiles is None and known.mask is not None:
+            return known.mask, SelectionStats(self, known.kept, known.kept_mass)
         stats = self.stats(self.kept_at([tau], max_density, max_tiles)[..., 0])
         return stats.mask(), stats
+
+    def budget_stats(self, tau: float, max_density: float | None = None) -> "SelectionStats":
+        """The ``SelectionStats`` of a budget without a tile bound."""
+        known = self._known(tau, max_density)
+        if known is not None:
+            return SelectionStats(self, known.kept, known.kept_mass)
+        return self.stats(self.kept_at([tau], max_density)[..., 0])
+
+    def _known(self, tau: float, max_density: float | None):
+        """What the ranking kernel applied for this budget, or None (looked up only where it applied any, so
+        that torch.compile need not specialise on a budget's values)."""
+        return self.known.get((tau, max_density)) if self.known else None
 
     def stats(self, kept: torch.Tensor) -> "SelectionStats":
         """The ``SelectionStats`` of keeping the first ``kept`` [Hq, nB] blocks of each row's ranking."""
@@ -210,6 +249,7 @@ class SelectionStats:
     ranking: BlockRanking
     kept: torch.Tensor  # int64 [Hq, nB]
     kept_mass: torch.Tensor  # float [Hq, nB]
+    means: dict = field(default_factory=dict, compare=False, repr=False)  # computed once: a layer logs them twice
 
     @property
     def candidates(self) -> torch.Tensor:
@@ -230,11 +270,15 @@ class SelectionStats:
 
     def mean_density(self) -> torch.Tensor:
         """0-d: kept tiles / candidate tiles over all heads and rows."""
-        return self.kept.sum() / (self.candidates.sum() * self.kept.shape[0])
+        if "density" not in self.means:
+            self.means["density"] = self.kept.sum() / self.ranking.candidate_tiles(self.kept.shape[0])
+        return self.means["density"]
 
     def mean_kept_mass(self) -> torch.Tensor:
         """0-d: mean over rows of the estimated kept share of attention mass (the estimated recall)."""
-        return self.kept_mass.float().mean()
+        if "kept_mass" not in self.means:
+            self.means["kept_mass"] = self.kept_mass.float().mean()
+        return self.means["kept_mass"]
 
     def kept_at(self, taus, max_density: float | None = None) -> torch.Tensor:
         """[Hq, nB, len(taus)] blocks each row would keep at each tau (and cap), from the same ranking."""
@@ -244,7 +288,7 @@ class SelectionStats:
         """[len(taus)] mean density (as ``mean_density``) that each tau would give, optionally with a cap:
         one searchsorted over the sorted cumulative masses, no rescoring (how DST hits a target cost)."""
         kept = self.kept_at(taus, max_density)
-        return kept.sum(dim=(0, 1)) / (self.candidates.sum() * kept.shape[0])
+        return kept.sum(dim=(0, 1)) / self.ranking.candidate_tiles(kept.shape[0])
 
 
 def check_fraction(name: str, value: float) -> None:
@@ -479,9 +523,15 @@ def rank_blocks(
 ) -> BlockRanking:
     """Scores every candidate block (module docstring) and ranks each row's blocks once; ``select`` then
     applies budgets. Arguments as ``select_blocks``; ``options`` are ``SELECTION_OPTIONS``."""
+    return _rank_stream(q, k, cu_seqlens, block_size, stride, scale, backend, options)
+
+
+def _rank_stream(q, k, cu_seqlens, block_size, stride, scale, backend, options, budgets=(), first=None):
+    """``rank_blocks``, passing ``budgets`` to the ranking (``_rank_rows``)."""
     options = selection_options(**options)
     estimate, ranker, scale = _scoring(q, k, cu_seqlens, q.shape[0], block_size, stride, scale, backend, options)
-    return BlockRanking(*_rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate, ranker, options=options))
+    return BlockRanking(*_rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate, ranker, options=options,
+                                    budgets=budgets, first=first))
 
 
 def _scoring(q, k, cu_seqlens, num_tokens: int, block_size: int, stride: int, scale, backend: str, options: dict):
@@ -523,36 +573,43 @@ def rank_keys(mass: torch.Tensor, candidates: torch.Tensor, forced: torch.Tensor
 
 
 def rank_block_mass(mass: torch.Tensor, doc: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
-                    sink_blocks: int, local_blocks: int, q_blocks: torch.Tensor | None = None) -> tuple:
+                    sink_blocks: int, local_blocks: int, q_blocks: torch.Tensor | None = None,
+                    budgets: tuple = (), first: str | None = None) -> tuple:
     """Each row of estimated block masses ``mass`` [Hq, nQ, nB] ranked by ``rank_keys``, for the query blocks
     ``q_blocks`` (None: every block) of the stream with token documents ``doc``: (candidate and forced blocks
-    per query block [nQ], order, sorted_mass, cumulative [Hq, nQ, nB], as ``BlockRanking`` holds them)."""
+    per query block [nQ], order, sorted_mass, cumulative [Hq, nQ, nB], as ``BlockRanking`` holds them, and the
+    budgets applied on the way, none here: ``budgets`` and ``first`` serve the Triton ranking, which applies
+    them in the same launch)."""
     candidates = candidate_tiles(doc, block_size)
     forced = forced_tiles(doc, cu_seqlens, block_size, sink_blocks, local_blocks) & candidates
     if q_blocks is not None:
         candidates, forced = candidates[q_blocks], forced[q_blocks]
     order = rank_keys(mass, candidates, forced).argsort(dim=-1, descending=True)
     sorted_mass = torch.where(candidates, mass, 0.0).gather(-1, order)
-    return candidates.sum(-1), forced.sum(-1), order, sorted_mass, sorted_mass.cumsum(dim=-1)
+    return candidates.sum(-1), forced.sum(-1), order, sorted_mass, sorted_mass.cumsum(dim=-1), {}
 
 
 def _rank_rows(q, k, cu_seqlens, block_size: int, stride: int, scale: float, estimate, ranker, q_blocks=None,
-               options: dict | None = None) -> tuple:
+               options: dict | None = None, budgets: tuple = (), first: str | None = None) -> tuple:
     """``BlockRanking``'s fields for the query blocks ``q_blocks`` (None: all) of the stream whose keys are
-    ``k``, scored by ``estimate`` and ranked by ``ranker`` (``rank_block_mass``)."""
+    ``k``, scored by ``estimate`` and ranked by ``ranker`` (``rank_block_mass``), which may apply ``budgets``
+    ((tau, max_density) pairs) on the way; probes and per-head taus move counts and masses, so they take none."""
     options = selection_options(**(options or {}))
+    if options["recall_probes"] or options["per_head_tau"]:
+        budgets, first = (), None
     with torch.no_grad():
         doc = token_doc_ids(cu_seqlens, k.shape[0])
         mass = estimate(q, k, doc, block_size, stride, scale)
-        candidates, forced, order, sorted_mass, cumulative = ranker(
-            mass, doc, cu_seqlens, block_size, options["sink_blocks"], options["local_blocks"], q_blocks
+        candidates, forced, order, sorted_mass, cumulative, known = ranker(
+            mass, doc, cu_seqlens, block_size, options["sink_blocks"], options["local_blocks"], q_blocks,
+            budgets, first,
         )
         probe = None
         if options["recall_probes"]:
             probe = probe_block_mass(q, k, doc, block_size, scale, options["recall_probes"], q_blocks).gather(-1, order)
             ranks = torch.arange(order.shape[-1], device=order.device)
             probe = torch.where(ranks < candidates[:, None], probe, 0.0).cumsum(dim=-1)
-        return candidates, forced, order, sorted_mass, cumulative, probe, options["per_head_tau"]
+        return candidates, forced, order, sorted_mass, cumulative, probe, options["per_head_tau"], known
 
 
 def select_blocks(
@@ -629,8 +686,9 @@ def select_with_budget(
     ``layer_budgets[i]`` and ``base_budgets[i]``: ignoring ``density_scale`` would leave the predicted balance
     improving while the measured one does not.
     """
-    ranking = rank_blocks(q, k, cu_seqlens, block_size=block_size, stride=stride, scale=scale, backend=backend,
-                          **options)
+    budgets = ((budget.tau, budget.max_density), (base.tau, base.max_density))
+    ranking = _rank_stream(q, k, cu_seqlens, block_size, stride, scale, backend, options, budgets[:2 - (budget == base)],
+                           first="mask" if budget.density_scale is None else "optional")
     return _select_budgeted(ranking, budget, base, cu_seqlens, q.shape[0], block_size)
 
 
@@ -639,12 +697,23 @@ def _select_budgeted(ranking: BlockRanking, budget: LayerBudget, base: LayerBudg
     """``select_with_budget`` on a ranking of (some of) the query blocks of a stream of ``num_tokens``; tile
     counts that span the layer are the ranking's ``_total`` over the whole stream."""
     own = budget == base and budget.density_scale is None  # the base budget itself: its counts are the base's
-    base_kept = None if own else ranking.kept_at([base.tau], base.max_density)[..., 0]
-    mask, stats = ranking.select(budget.tau, budget.max_density, _max_tiles(ranking, budget, base_kept))
-    base_stats = stats if own else ranking.stats(base_kept)  # static runs and evaluation use the base itself
-    kept, covered = _document_tiles(base_stats.kept, ranking.candidates, cu_seqlens, num_tokens, block_size,
-                                    ranking.q_blocks)
-    base_density = _density(ranking._total(kept), ranking._total(covered), base_stats.kept.shape[0])
+    base_stats = None if own else ranking.budget_stats(base.tau, base.max_density)
+    known, known_base = ranking._known(budget.tau, budget.max_density), ranking._known(base.tau, base.max_density)
+    if budget.density_scale is not None and known is not None and known.optional is not None:
+        from .selection_triton import cut_to_tiles  # the ranking kernel made ready for the cut
+
+        kept, kept_mass, mask = cut_to_tiles(ranking, known, budget.density_scale, known_base.document_tiles[0])
+        stats = SelectionStats(ranking, kept, kept_mass)
+    else:
+        mask, stats = ranking.select(budget.tau, budget.max_density,
+                                     _max_tiles(ranking, budget, None if own else base_stats.kept))
+    base_stats = stats if own else base_stats  # static runs and evaluation use the base itself
+    if known_base is not None and known_base.document_tiles is not None:  # counted by the ranking kernel
+        base_density = _density(*known_base.document_tiles, 1)
+    else:
+        kept, covered = _document_tiles(base_stats.kept, ranking.candidates, cu_seqlens, num_tokens, block_size,
+                                        ranking.q_blocks)
+        base_density = _density(ranking._total(kept), ranking._total(covered), base_stats.kept.shape[0])
     return BudgetedSelection(mask, stats, base_stats, base_density)
 
 
@@ -672,20 +741,19 @@ def document_density(
 def _document_tiles(kept_rows, candidates, cu_seqlens, num_tokens, block_size, q_blocks=None):
     """([docs] kept tiles over all heads, [docs] candidate tiles of one head) of the query blocks ``q_blocks``
     (None: all), each counted for the document it starts in; int64, so sums over ranks are exact."""
-    kept = kept_rows.sum(0)  # [nQ]
-    doc_ids = token_doc_ids(cu_seqlens, num_tokens)
-    block_doc = doc_ids[::block_size]
+    block_starts = torch.arange(0, num_tokens, block_size, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    block_doc = torch.searchsorted(cu_seqlens[1:], block_starts, right=True)
     if q_blocks is not None:
         block_doc = block_doc[q_blocks]
-    num_docs = len(cu_seqlens) - 1
-    kept_per_doc = kept.new_zeros(num_docs).index_add_(0, block_doc, kept)
-    covered = kept.new_zeros(num_docs).index_add_(0, block_doc, candidates)
-    return kept_per_doc, covered
+    per_doc = candidates.new_zeros(2, len(cu_seqlens) - 1)
+    per_doc.index_add_(1, block_doc, torch.stack([kept_rows.sum(0), candidates]))
+    return per_doc[0], per_doc[1]
 
 
 def _density(kept_per_doc: torch.Tensor, covered: torch.Tensor, num_heads: int) -> torch.Tensor:
-    density = kept_per_doc / (covered * num_heads).clamp(min=1)
-    return torch.where(covered > 0, density.clamp(max=1.0), torch.ones_like(density))
+    """Kept over candidate tiles of each document (a row never keeps more than its candidates); 1 where a document
+    starts no block."""
+    return torch.where(covered > 0, kept_per_doc / (covered if num_heads == 1 else covered * num_heads), 1.0)
 
 
 # Selection for context parallelism: a stream held block-striped by the ranks of a group (``ring.py``).

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .launches import launch
-from .layout import group_doc_range, num_blocks
+from .layout import num_blocks
 
 _LOG2E = 1.4426950408889634
 
@@ -47,7 +47,7 @@ def _stride_scores(Q, K, rows, cols, head, kv_head, row_ok, col_ok, first_q, las
 
 @triton.jit
 def _block_mass_kernel(
-    Q, K, FIRST, LAST, MASS,
+    Q, K, DOC, MASS,
     qk_scale, T, NUM_GROUPS, NB,
     stride_qt, stride_qh, stride_kt, stride_kh,
     GROUP: tl.constexpr, STRIDE: tl.constexpr, PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -61,14 +61,14 @@ def _block_mass_kernel(
     kv_head = head // GROUP
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < NUM_GROUPS
-    first_q = tl.load(FIRST + rows, mask=row_ok, other=0)
+    first_q = tl.load(DOC + rows * STRIDE, mask=row_ok, other=0)  # each stride group's first and last documents
     end_col = tl.minimum((pid + 1) * BLOCK_R, NUM_GROUPS)
     row_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_R], tl.float32)
     for c0 in range(0, end_col, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         col_ok = cols < end_col
-        last_k = tl.load(LAST + cols, mask=col_ok, other=-1)
+        last_k = tl.load(DOC + tl.minimum(cols * STRIDE + STRIDE - 1, T - 1), mask=col_ok, other=-1)
         s = _stride_scores(Q, K, rows, cols, head, kv_head, row_ok, col_ok, first_q, last_k, qk_scale, T,
                            stride_qt, stride_qh, stride_kt, stride_kh, STRIDE, HEAD_DIM, BLOCK_R, BLOCK_C, BLOCK_D, NATIVE)
         new_max = tl.maximum(row_max, tl.max(s, axis=1))
@@ -85,7 +85,7 @@ def _block_mass_kernel(
     for c0 in range(0, end_col, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         col_ok = cols < end_col
-        last_k = tl.load(LAST + cols, mask=col_ok, other=-1)
+        last_k = tl.load(DOC + tl.minimum(cols * STRIDE + STRIDE - 1, T - 1), mask=col_ok, other=-1)
         s = _stride_scores(Q, K, rows, cols, head, kv_head, row_ok, col_ok, first_q, last_k, qk_scale, T,
                            stride_qt, stride_qh, stride_kt, stride_kh, STRIDE, HEAD_DIM, BLOCK_R, BLOCK_C, BLOCK_D, NATIVE)
         p = tl.exp2(s - safe_max[:, None]) * inv_sum[:, None]
@@ -103,13 +103,13 @@ def estimate_block_mass(
     num_tokens, num_q_heads, head_dim = q.shape
     nb = num_blocks(num_tokens, block_size)
     per_block = block_size // stride
-    first, last = (x.to(torch.int32) for x in group_doc_range(doc, stride))
+    num_groups = triton.cdiv(num_tokens, stride)
     mass = torch.zeros(num_q_heads, nb, nb, dtype=torch.float32, device=q.device)
     block_r = max(64, per_block)
     launch(
-        _block_mass_kernel, (triton.cdiv(first.numel(), block_r), num_q_heads),
-        q, k, first, last, mass,
-        scale / stride * _LOG2E, num_tokens, first.numel(), nb,
+        _block_mass_kernel, (triton.cdiv(num_groups, block_r), num_q_heads),
+        q, k, doc, mass,
+        scale / stride * _LOG2E, num_tokens, num_groups, nb,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         GROUP=num_q_heads // k.shape[1], STRIDE=stride, PER_BLOCK=per_block, HEAD_DIM=head_dim,
         BLOCK_R=block_r, BLOCK_C=max(64, per_block), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -119,12 +119,29 @@ def estimate_block_mass(
 
 
 @triton.jit
+def _row_count(cumulative, row_mass, cols, num_candidates, num_forced, tau, cap, NB):
+    """``selection._kept_counts`` of one row for one budget: the top-p count at ``tau`` (tau >= 1 keeps every
+    candidate), between the forced blocks and the candidates, then the cap (``cap`` > 1: none)."""
+    below = tl.sum(((cumulative < tau * row_mass) & (cols < NB)).to(tl.int64), 0) + 1
+    count = tl.where(tau >= 1.0, num_candidates, below)
+    count = tl.minimum(tl.maximum(count, num_forced), num_candidates)
+    limit = tl.maximum(num_forced, tl.floor(cap * num_candidates.to(tl.float32)).to(tl.int64))
+    return tl.where(cap <= 1.0, tl.minimum(count, limit), count)
+
+
+@triton.jit
 def _rank_kernel(
-    MASS, DOC, CU, ORDER, SORTED, CUMULATIVE, CANDIDATES, FORCED, T, NB,
+    MASS, DOC, CU, ORDER, SORTED, CUMULATIVE, CANDIDATES, FORCED, KEPT, KEPT_MASS, MASK, OPTIONAL, DOC_TILES,
+    T, NB, NUM_DOCS, TAU0, CAP0, TAU1, CAP1,
     BLOCK: tl.constexpr, NBP: tl.constexpr, SINKS: tl.constexpr, LOCAL: tl.constexpr, BLOCK_BITS: tl.constexpr,
+    BUDGETS: tl.constexpr, WRITE_MASK: tl.constexpr, WRITE_OPTIONAL: tl.constexpr,
 ):
     """One program per (query block, query head): the row's candidates and always-kept blocks, its ranking by
-    ``selection.rank_keys`` (one sort of NBP keys), and the masses in rank order with their running sum."""
+    ``selection.rank_keys`` (one sort of NBP keys), and the masses in rank order with their running sum; then,
+    for up to two budgets (tau, cap), the row's kept count and kept share of its mass, and for the first budget
+    its mask row or the masses of its optional blocks (-1 elsewhere, what a tile bound cuts from) when asked. The
+    last budget's kept tiles and the candidate tiles of all heads are added up per document (the document of the
+    query block's first token), into DOC_TILES [2, docs]."""
     qb = tl.program_id(0)
     head = tl.program_id(1)
     cols = tl.arange(0, NBP)
@@ -140,13 +157,35 @@ def _rank_kernel(
            | (mass.to(tl.int32, bitcast=True).to(tl.int64) << 20) | (BLOCK_BITS - cols).to(tl.int64))
     order = BLOCK_BITS - (tl.sort(key, 0, descending=True) & BLOCK_BITS)
     num_candidates = tl.sum(candidate.to(tl.int64), 0)
+    num_forced = tl.sum(forced.to(tl.int64), 0)
     sorted_mass = tl.load(MASS + row + order, mask=cols < num_candidates, other=0.0)
+    cumulative = tl.cumsum(sorted_mass, 0)
     tl.store(ORDER + row + cols, order, mask=col_ok)
     tl.store(SORTED + row + cols, sorted_mass, mask=col_ok)
-    tl.store(CUMULATIVE + row + cols, tl.cumsum(sorted_mass, 0), mask=col_ok)
+    tl.store(CUMULATIVE + row + cols, cumulative, mask=col_ok)
     if head == 0:
         tl.store(CANDIDATES + qb, num_candidates)
-        tl.store(FORCED + qb, tl.sum(forced.to(tl.int64), 0))
+        tl.store(FORCED + qb, num_forced)
+    row_mass = tl.sum(tl.where(cols == NB - 1, cumulative, 0.0), 0)
+    rows = tl.num_programs(1) * NB
+    if BUDGETS >= 1:
+        count = _row_count(cumulative, row_mass, cols, num_candidates, num_forced, TAU0, CAP0, NB)
+        tl.store(KEPT + head * NB + qb, count)
+        tl.store(KEPT_MASS + head * NB + qb, tl.sum(tl.where(cols == count - 1, cumulative, 0.0), 0) / row_mass)
+        if WRITE_MASK:
+            tl.store(MASK + row + order, cols < count, mask=col_ok)
+        if WRITE_OPTIONAL:
+            tl.store(OPTIONAL + row + cols, tl.where((cols >= num_forced) & (cols < count), sorted_mass, -1.0),
+                     mask=col_ok)
+    if BUDGETS >= 2:
+        count = _row_count(cumulative, row_mass, cols, num_candidates, num_forced, TAU1, CAP1, NB)
+        tl.store(KEPT + rows + head * NB + qb, count)
+        tl.store(KEPT_MASS + rows + head * NB + qb,
+                 tl.sum(tl.where(cols == count - 1, cumulative, 0.0), 0) / row_mass)
+    if BUDGETS >= 1:
+        tl.atomic_add(DOC_TILES + first_doc, count.to(tl.int32))
+        if head == 0:
+            tl.atomic_add(DOC_TILES + NUM_DOCS + first_doc, (num_candidates * tl.num_programs(1)).to(tl.int32))
 
 
 # Rows of more blocks than this are ranked by torch's sort: one program's sort would spill its registers.
@@ -154,24 +193,94 @@ _MAX_RANKED_BLOCKS = 4096
 
 
 def rank_block_mass(mass: torch.Tensor, doc: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
-                    sink_blocks: int, local_blocks: int, q_blocks: torch.Tensor | None = None) -> tuple:
+                    sink_blocks: int, local_blocks: int, q_blocks: torch.Tensor | None = None,
+                    budgets: tuple = (), first: str | None = None) -> tuple:
     """``selection.rank_block_mass`` in one Triton launch (whole streams of at most ``_MAX_RANKED_BLOCKS``
-    blocks; others go to torch)."""
-    from .selection import _BLOCK_BITS, rank_block_mass as rank_torch
+    blocks; others go to torch), which also applies up to two ``budgets`` (tau, max_density) to every row:
+    returns the ranking's fields and ``{budget: KnownBudget}``, the first budget's with its mask (``first`` =
+    "mask") or its optional blocks' masses (``first`` = "optional", for a tile bound: ``cut_to_tiles``), the last
+    one's with its kept and candidate tiles per document (the base budget's, whose densities predict costs)."""
+    from .selection import _BLOCK_BITS, KnownBudget, rank_block_mass as rank_torch
 
     num_q_heads, _, nb = mass.shape
     if q_blocks is not None or nb > _MAX_RANKED_BLOCKS:
         return rank_torch(mass, doc, cu_seqlens, block_size, sink_blocks, local_blocks, q_blocks)
     if local_blocks < 1 or sink_blocks < 0:
         raise ValueError(f"local_blocks must be >= 1 and sink_blocks >= 0, got {local_blocks} and {sink_blocks}")
-    order = torch.empty(mass.shape, dtype=torch.int64, device=mass.device)
+    device = mass.device
+    order = torch.empty(mass.shape, dtype=torch.int64, device=device)
     sorted_mass, cumulative = torch.empty_like(mass), torch.empty_like(mass)
-    candidates, forced = (torch.empty(nb, dtype=torch.int64, device=mass.device) for _ in range(2))
+    candidates, forced = (torch.empty(nb, dtype=torch.int64, device=device) for _ in range(2))
+    kept = torch.empty(len(budgets), num_q_heads, nb, dtype=torch.int64, device=device)
+    kept_mass = torch.empty(len(budgets), num_q_heads, nb, dtype=torch.float32, device=device)
+    mask = torch.empty(mass.shape, dtype=torch.bool, device=device) if first == "mask" else kept
+    optional = torch.empty_like(mass) if first == "optional" else kept_mass
+    num_docs = cu_seqlens.numel() - 1
+    document_tiles = torch.zeros(2, num_docs, dtype=torch.int32, device=device)
+    taus_caps = [x for tau, cap in budgets for x in (float(tau), 2.0 if cap is None else float(cap))]
     padded = triton.next_power_of_2(nb)
     launch(
         _rank_kernel, (nb, num_q_heads),
-        mass, doc, cu_seqlens, order, sorted_mass, cumulative, candidates, forced, doc.numel(), nb,
+        mass, doc, cu_seqlens, order, sorted_mass, cumulative, candidates, forced, kept, kept_mass, mask, optional,
+        document_tiles, doc.numel(), nb, num_docs, *(taus_caps + [1.0, 2.0] * (2 - len(budgets))),
         BLOCK=block_size, NBP=padded, SINKS=sink_blocks, LOCAL=local_blocks, BLOCK_BITS=_BLOCK_BITS,
+        BUDGETS=len(budgets), WRITE_MASK=first == "mask", WRITE_OPTIONAL=first == "optional",
         num_warps=4 if padded <= 1024 else 8,
     )
-    return candidates, forced, order, sorted_mass, cumulative
+    known = {budget: KnownBudget(kept[i], kept_mass[i]) for i, budget in enumerate(budgets)}
+    if budgets:
+        known[budgets[-1]] = known[budgets[-1]]._replace(document_tiles=document_tiles)
+        if first is not None:
+            known[budgets[0]] = known[budgets[0]]._replace(mask=mask if first == "mask" else None,
+                                                           optional=optional if first == "optional" else None)
+    return candidates, forced, order, sorted_mass, cumulative, known
+
+
+@triton.jit
+def _cut_kernel(
+    ORDER, CUMULATIVE, FORCED, OPTIONAL, ORDERED, BASE_TILES, CUT, CUT_MASS, MASK, NB, NUM_DOCS, NUM_OPTIONAL, SCALE,
+    NBP: tl.constexpr, DOCS_PER_STEP: tl.constexpr,
+):
+    """One program per (query block, query head): the row's kept blocks under ``SCALE`` times the base budget's tiles
+    of the layer (their count per document in BASE_TILES), ``BlockRanking._within`` in one launch. Every program
+    finds the bound's mass threshold, the first mass the bound drops among the layer's optional blocks in
+    decreasing order (``ORDERED``), and keeps the forced blocks and the optional ones above it; then the row's
+    kept share of its mass and its mask row."""
+    qb = tl.program_id(0)
+    head = tl.program_id(1)
+    blocks = tl.arange(0, NBP)
+    base_tiles = tl.zeros([DOCS_PER_STEP], tl.int64)
+    for d0 in range(0, NUM_DOCS, DOCS_PER_STEP):
+        docs = d0 + tl.arange(0, DOCS_PER_STEP)
+        base_tiles += tl.load(BASE_TILES + docs, mask=docs < NUM_DOCS, other=0).to(tl.int64)
+    max_tiles = tl.floor(SCALE * tl.sum(base_tiles, 0).to(tl.float32)).to(tl.int64)
+    forced_tiles = tl.sum(tl.load(FORCED + blocks, mask=blocks < NB, other=0), 0) * tl.num_programs(1)
+    spare = tl.minimum(tl.maximum(max_tiles - forced_tiles, 0), NUM_OPTIONAL - 1)
+    threshold = tl.load(ORDERED + spare)
+    row = (head * NB + qb) * NB
+    optional = tl.load(OPTIONAL + row + blocks, mask=blocks < NB, other=-1.0)
+    count = tl.load(FORCED + qb) + tl.sum((optional > threshold).to(tl.int64), 0)
+    cumulative = tl.load(CUMULATIVE + row + blocks, mask=blocks < NB, other=0.0)
+    row_mass = tl.sum(tl.where(blocks == NB - 1, cumulative, 0.0), 0)
+    tl.store(CUT + head * NB + qb, count)
+    tl.store(CUT_MASS + head * NB + qb, tl.sum(tl.where(blocks == count - 1, cumulative, 0.0), 0) / row_mass)
+    order = tl.load(ORDER + row + blocks, mask=blocks < NB, other=0)
+    tl.store(MASK + row + order, blocks < count, mask=blocks < NB)
+
+
+def cut_to_tiles(ranking, known, scale: float, base_tiles: torch.Tensor) -> tuple:
+    """(kept [Hq, nB], kept share of each row's mass, mask) of a budget the ranking kernel applied with its optional
+    masses (``known``), its rows cut to ``scale`` times the base budget's tiles of the layer (``base_tiles``: per
+    document): one sort and one launch."""
+    num_q_heads, nb, _ = ranking.order.shape
+    ordered = known.optional.flatten().sort(descending=True).values
+    cut = torch.empty_like(known.kept)
+    cut_mass = torch.empty_like(known.kept_mass)
+    mask = torch.empty(ranking.order.shape, dtype=torch.bool, device=cut.device)
+    launch(
+        _cut_kernel, (nb, num_q_heads),
+        ranking.order, ranking.cumulative, ranking.forced, known.optional, ordered, base_tiles, cut, cut_mass, mask,
+        nb, base_tiles.numel(), ordered.numel(), float(scale), NBP=triton.next_power_of_2(nb), DOCS_PER_STEP=128,
+        num_warps=4 if nb <= 1024 else 8,
+    )
+    return cut, cut_mass, mask

@@ -15,7 +15,7 @@ def test_the_smoke_run_prints_the_whole_table(tmp_path):
     table = (tmp_path / "summary.md").read_text()
     for tokens in (256, 512, 1024):
         assert f"{tokens}: selection / dense forward" in table
-        assert f"{tokens}: kernels and host syncs per layer (torch)" in table
+        assert f"{tokens}: kernels and host syncs per layer (torch tuned)" in table
         assert f"{tokens}: torch sparse at density 0.25" in table
     assert "model step [512]: sparse cap=0.25" in table
 

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from sparsebalance_pl.kernels import select_blocks
+from sparsebalance_pl.kernels import LayerBudget, select_blocks, select_with_budget
 from sparsebalance_pl.kernels.layout import token_doc_ids
 from sparsebalance_pl.kernels.selection import estimate_block_mass
 
@@ -55,3 +55,29 @@ def test_half_precision_scoring_matches_torch():
     want = estimate_block_mass(q, k, doc, 32, 8, 0.125)
     got = estimate_triton(q, k, doc, 32, 8, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [LayerBudget(0.8), LayerBudget(0.8, 0.5), LayerBudget(0.95, 0.4, 0.6),
+                                    LayerBudget(1.0, None, 1.5)], ids=["tau", "cap", "scaled", "raised"])
+def test_budgets_applied_by_the_ranking_kernel_match_torch(budget):
+    """The Triton ranking applies the budget in use and the base budget in its launch (counts, kept masses and
+    the mask): the same as the torch ranking's budgets on the same block masses."""
+    from sparsebalance_pl.kernels import selection_triton
+
+    gen = torch.Generator().manual_seed(7)
+    q, k = torch.randn(300, 4, 16, generator=gen), torch.randn(300, 2, 16, generator=gen)
+    cu = torch.tensor([0, 70, 71, 230, 300], dtype=torch.int32)
+    q, k, cu = q.to(DEVICE), k.to(DEVICE), cu.to(DEVICE)
+    base = LayerBudget(0.9, 0.7)
+    got = select_with_budget(q, k, cu, budget, base, block_size=16, stride=4, backend="triton")
+    # the torch path scores, ranks and applies the budgets in torch; the masses differ by rounding only
+    want = select_with_budget(q, k, cu, budget, base, block_size=16, stride=4, backend="torch")
+    doc = token_doc_ids(cu, 300)
+    mass = selection_triton.estimate_block_mass(q, k, doc, 16, 4, 0.25)
+    torch.testing.assert_close(mass, estimate_block_mass(q, k, doc, 16, 4, 0.25), rtol=1e-4, atol=1e-6)
+    assert got.stats.ranking.known  # the kernel applied the budgets
+    assert torch.equal(got.mask, want.mask)
+    for mine, theirs in ((got.stats, want.stats), (got.base_stats, want.base_stats)):
+        assert torch.equal(mine.kept, theirs.kept)
+        torch.testing.assert_close(mine.kept_mass, theirs.kept_mass, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.base_document_density, want.base_document_density)
