@@ -304,14 +304,6 @@ def _check_taus(taus) -> None:
             raise ValueError(f"every tau must lie in (0, 1], got {list(taus)}")
 
 
-def _check_taus(taus) -> None:
-    """Every tau in (0, 1]; a tensor of them is checked where it is made (no device read here)."""
-    if not isinstance(taus, torch.Tensor):
-        bad = [tau for tau in taus if not 0 < tau <= 1]
-        if bad:
-            raise ValueError(f"every tau must lie in (0, 1], got {list(taus)}")
-
-
 def _kept_counts(cumulative, candidates, forced, taus, max_density) -> torch.Tensor:
     """Top-p counts [Hq, nB, M] for M values of tau: the ranks whose preceding mass is below tau of the row (one
     more than the ranks whose mass up to them is below it), at least the forced blocks, at most the candidates,
