@@ -8,7 +8,7 @@ Because documents are contiguous, sharing a document reduces to ``first_doc[qb] 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -30,6 +30,11 @@ def single_threaded():
         yield previous
     finally:
         torch.set_num_threads(previous)
+
+
+def single_threaded_on_cpu(device: torch.device):
+    """``single_threaded`` for work on the CPU; nothing for a device's (its ops use no host threads)."""
+    return single_threaded() if device.type == "cpu" else nullcontext()
 
 
 def check_power_of_two(name: str, value: int) -> None:
@@ -225,10 +230,12 @@ class TileLayout:
         block_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int, num_kv_heads: int, block_size: int
     ) -> "TileLayout":
         """The layout of ``block_sparse_attention`` over a whole stream of ``num_tokens`` tokens."""
-        doc = token_doc_ids(cu_seqlens, num_tokens)
-        return TileLayout._from_tiles(block_mask, doc, doc, None, None, num_kv_heads, block_size)
+        with single_threaded_on_cpu(block_mask.device):
+            doc = token_doc_ids(cu_seqlens, num_tokens)
+            return TileLayout._from_tiles(block_mask, doc, doc, None, None, num_kv_heads, block_size)
 
     @staticmethod
+    @single_threaded()
     def build_ring_step(
         block_mask: torch.Tensor | None,
         doc: torch.Tensor,
@@ -265,6 +272,7 @@ class TileLayout:
         )
 
     @staticmethod
+    @single_threaded()
     def build_sink_step(
         block_mask: torch.Tensor | None,
         doc: torch.Tensor,
