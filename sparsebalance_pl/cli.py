@@ -5,8 +5,8 @@ All are subcommands of one LightningCLI and read the same ``model``, ``data`` an
 Every setting is checked when the configuration is parsed and the classes are built, in the launching process
 and before any process group starts (``sparsebalance_pl.preflight`` for what Lightning would find only later);
 a bad one ends the run with a single line naming the setting and what is allowed (exit code 2), not a
-traceback. So do what the parser, Lightning's Trainer and its fit loop report about their settings
-(``_named_cause``), and the errors of ours that only the ranks can find (damaged data or checkpoints).
+traceback. So do the parser's errors, what Lightning's Trainer and fit loop raise about their settings, and
+the errors of ours that only the ranks can find, damaged data or checkpoints (``_named_cause``).
 
 ``fit``, ``validate`` and ``test`` run the Trainer; under SLURM, ``fit`` checkpoints and requeues the job on
 SLURM's warning signal (``SlurmRequeue``). ``profile`` (this device's latency table), ``export`` (a checkpoint
@@ -256,7 +256,7 @@ def main(args: list[str] | None = None, run: bool = True) -> SparseBalanceCLI | 
 def _one_line(err: BaseException) -> str:
     """The message in one line: where a DataLoader worker raised it, its last line (torch re-raises it in the
     main process with the worker's traceback in the message, ending with the original ``Type: message`` line);
-    the parser's, its first two lines and the value given."""
+    the parser's as ``_parser_message`` shortens it."""
     message = str(err)
     if message.startswith("Caught ") and "Original Traceback" in message:
         return message.rstrip().splitlines()[-1].split(": ", 1)[-1]
