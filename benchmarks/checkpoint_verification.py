@@ -106,7 +106,8 @@ def measure(folder: Path, repeats: int) -> None:
     if damage is not None:
         sys.exit(f"{folder} is damaged ({damage}): nothing to measure")
     report("verify, files in the page cache", timed(lambda: checkpoints.damage(folder), repeats), size)
-    report("verify, files read from disk", timed(lambda: checkpoints.damage(folder), repeats, lambda: evict(folder)), size)
+    cold = timed(lambda: checkpoints.damage(folder), repeats, lambda: evict(folder))
+    report("verify, files read from disk", cold, size)
     load = timed(lambda: load_tensors(folder), repeats, lambda: evict(folder))
     report("DCP load of every tensor, from disk", load, size)
     both = timed(lambda: (checkpoints.damage(folder), load_tensors(folder)), repeats, lambda: evict(folder))

@@ -19,6 +19,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from rank_runner import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "sinfo", "srun", "scancel")
 
@@ -27,12 +29,6 @@ def missing_programs() -> list[str]:
     """The daemons and clients this machine lacks (``.ci/run`` installs them: slurmctld slurmd slurm-client
     munge)."""
     return [name for name in (*DAEMONS, *CLIENTS) if shutil.which(name) is None]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SlurmCluster:
@@ -99,8 +95,8 @@ class SlurmCluster:
         return "\n".join([
             "ClusterName=sparsebalance-test",
             f"SlurmctldHost={self.host}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
+            f"SlurmdPort={free_port()}",
             "AuthType=auth/munge",
             f"AuthInfo=socket={munge_socket}",
             f"SlurmUser={user}",

@@ -222,7 +222,8 @@ def test_a_checkpoint_file_is_verified_by_its_crc32s(tmp_path):
 def loaded_paths(monkeypatch) -> list[Path]:
     """The paths that ``FSDP2Strategy`` hands to Lightning's loader, which needs a sharded model to load into."""
     paths = []
-    monkeypatch.setattr(ModelParallelStrategy, "load_checkpoint", lambda self, path, weights_only=None: paths.append(path))
+    monkeypatch.setattr(ModelParallelStrategy, "load_checkpoint",
+                        lambda self, path, weights_only=None: paths.append(path))
     return paths
 
 
@@ -259,7 +260,7 @@ def test_a_damaged_newest_hpc_checkpoint(tmp_path, loaded_paths, picked_by_light
         assert loaded_paths == []
 
 
-def test_a_damaged_checkpoint_without_an_intact_one_beside_it_stops_even_when_lightning_picked_it(tmp_path, loaded_paths):
+def test_a_damaged_checkpoint_with_no_intact_one_beside_it_stops_when_lightning_picked_it(tmp_path, loaded_paths):
     newest = _write(tmp_path / "hpc_ckpt_1.ckpt", 1)
     flip_bytes(newest / "meta.pt", count=16)
     strategy = FSDP2Strategy()

@@ -16,7 +16,8 @@ BAD_INPUTS = [
     pytest.param(FIT_DEMO, ["--model.attention.backend=flash"], ["backend", "dense", "sparse"], id="attention backend"),
     pytest.param(FIT_DEMO, ["--model.attention.tau=1.5"], ["attention.tau", "(0, 1]"], id="tau above 1"),
     pytest.param(FIT_DEMO, ["--model.attention.tau=0"], ["attention.tau", "(0, 1]"], id="tau 0"),
-    pytest.param(FIT_DEMO, ["--model.attention.block_size=48"], ["attention.block_size", "power of two"], id="block size"),
+    pytest.param(FIT_DEMO, ["--model.attention.block_size=48"], ["attention.block_size", "power of two"],
+                 id="block size"),
     pytest.param(FIT_DEMO, ["--data.batching.max_tokens=1024", "--data.corpus.max_doc_tokens=4096"],
                  ["data.batching.max_tokens", "data.corpus.max_doc_tokens"], id="micro-batch below document"),
     pytest.param(FIT_DEMO, ["--data.corpus.source=folder", "--data.corpus.text_dir=/nonexistent/folder"],
@@ -47,7 +48,8 @@ BAD_INPUTS = [
     pytest.param(FIT_DEMO, ["--trainer.val_check_interval=100000", "--trainer.devices=1", "--trainer.strategy=auto",
                             "--model.model.overrides={num_layers: 1}",
                             *(f"--data.{key}={value}" for key, value in SMALL_CORPUS.items())],
-                 ["`val_check_interval` (100000)", "number of the training batches"], id="validation interval past the epoch"),
+                 ["`val_check_interval` (100000)", "number of the training batches"],
+                 id="validation interval past the epoch"),
 ]
 
 
