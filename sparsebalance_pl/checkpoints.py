@@ -17,26 +17,38 @@ folder, so it finds that one too. Nothing in ``.partial`` is ever loaded; the ne
 Lightning never sees it either: under SLURM it resumes from the highest ``hpc_ckpt_<n>`` *named in the folder*,
 so a cut-short save named beside the complete ones would send a requeued job to a checkpoint that is not there.
 
-Loading checks that a folder is whole (``damage``): ``.metadata`` and ``meta.pt`` present, ``meta.pt`` a
-complete zip archive (``torch.save`` writes the archive's index last), and every shard file the index names
-at least as long as the bytes it refers to. That also holds for checkpoints written before this module. A
-damaged checkpoint, or a missing one with a cut-short save's leftovers, is reported in one line naming it and
-the newest complete checkpoint of its folder (``problem``).
+Before a folder is put in place, and once every rank has written its part, the ranks record the digest of
+each of its files in ``CHECKSUMS`` (xxh3-64), the last file written: DCP's shards carry no checksum, and
+``torch.load`` reads flipped bytes without complaint. A checkpoint file (sharded saving switched off) needs no
+record: it is a zip archive whose entries carry their own CRC-32.
+
+Loading checks that a checkpoint is intact (``damage``): a folder's ``.metadata`` and ``meta.pt`` present,
+``meta.pt`` a complete zip archive (``torch.save`` writes the archive's index last), every shard file the index
+names at least as long as the bytes it refers to, and every file as its recorded digest says; a file's entries
+as their CRC-32s say. A folder saved before digests were recorded is checked for completeness only
+(``unverified``). A damaged checkpoint, or a missing one with a cut-short save's leftovers, is reported in
+one line naming it, what is wrong with it and the newest intact checkpoint of its folder (``refusal``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
+import xxhash
 from torch.distributed.checkpoint import FileSystemReader
 
 INDEX = ".metadata"  # DCP's index of the shards, written by rank 0 after every rank's shards
 META = "meta.pt"  # Lightning's non-tensor state, written by rank 0 after DCP's save returned
-_CHECKPOINT_FILES = (INDEX, INDEX + ".tmp", META)
+CHECKSUMS = "checksums.json"  # the digest of every other file of the folder, written last
+_CHECKPOINT_FILES = (INDEX, INDEX + ".tmp", META, CHECKSUMS)
 _SHARD_SUFFIX = ".distcp"
+_DIGEST = "xxh3_64"
+_READ_BYTES = 16 << 20
 STAGING = ".partial"  # the folder beside the checkpoints where they are written and deleted
 
 
@@ -96,14 +108,122 @@ def leftovers(path: Path) -> list[Path]:
     return [p for p in (staging_path(path), aside_path(path)) if os.path.lexists(p)]
 
 
-def damage(folder: Path) -> str | None:
+def file_digests(folder: Path, names: Iterable[str]) -> dict[str, str]:
+    """The xxh3-64 digest of each named file of ``folder`` that exists, read in pieces of bounded size."""
+    buffer = bytearray(_READ_BYTES)
+    view = memoryview(buffer)
+    digests = {}
+    for name in names:
+        if not (folder / name).is_file():
+            continue
+        digest = xxhash.xxh3_64()
+        with open(folder / name, "rb", buffering=0) as f:
+            while size := f.readinto(buffer):
+                digest.update(view[:size])
+        digests[name] = digest.hexdigest()
+    return digests
+
+
+def checksummed_files(folder: Path) -> list[str]:
+    """The files of a checkpoint folder that its checksums cover: all but the record itself."""
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != CHECKSUMS)
+
+
+def write_checksums(folder: Path, digests: dict[str, str]) -> None:
+    (folder / CHECKSUMS).write_text(json.dumps({"algorithm": _DIGEST, "files": digests}, indent=1, sort_keys=True))
+
+
+def unverified(path: Path) -> str | None:
+    """The warning that the checkpoint folder at ``path`` was saved before digests were recorded, so that only
+    its completeness could be checked; None for any other checkpoint."""
+    if path.is_dir() and not (path / CHECKSUMS).is_file():
+        return (f"checkpoint {path} was saved without checksums: its files are complete, but their content "
+                "cannot be verified")
+    return None
+
+
+def recorded_checksums(folder: Path) -> dict[str, str]:
+    """The digests recorded when the folder was saved, by file name (none before they were recorded);
+    ValueError when the record cannot be read."""
+    if not (folder / CHECKSUMS).is_file():
+        return {}
+    try:
+        record = json.loads((folder / CHECKSUMS).read_text())
+        files = dict(record["files"])
+        if record["algorithm"] != _DIGEST or not all(isinstance(d, str) for d in files.values()):
+            raise ValueError(record["algorithm"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{CHECKSUMS} unreadable") from err
+    return files
+
+
+def damage(path: Path, digests: dict[str, str] | None = None) -> str | None:
+    """What makes the checkpoint at ``path`` unfit to load (a part missing or cut short, a file that differs
+    from what was saved), or None when it is intact. ``digests``: those of its recorded files, when the caller
+    has computed them already (the strategy has every rank read its share)."""
+    if path.is_file():
+        return _archive_damage(path)
+    try:
+        recorded = recorded_checksums(path)
+    except ValueError as err:
+        return str(err)
+    actual = file_digests(path, recorded) if digests is None else digests
+    for name, digest in sorted(recorded.items()):
+        if name not in actual:
+            return f"{name} missing"
+        if actual[name] != digest:
+            return f"{name} differs from the checksum recorded when it was saved"
+    return _missing_part(path)
+
+
+def problem(path: Path, digests: dict[str, str] | None = None) -> str | None:
+    """Why ``path`` must not be loaded, in words naming it; None to load it as Lightning would (a missing path
+    without leftovers fails there, as before). ``digests`` as for ``damage``."""
+    if os.path.lexists(path):
+        reason = damage(path, digests)
+        return None if reason is None else f"checkpoint {path} is damaged ({reason})"
+    left = leftovers(path)
+    if not left:
+        return None
+    names = ", ".join(str(p) for p in left)
+    return f"checkpoint {path} is missing: a save of it was cut short ({names} left behind)"
+
+
+def refusal(path: Path, digests: dict[str, str] | None = None) -> str | None:
+    """``problem`` in one line that also names the newest intact checkpoint beside ``path`` to use instead."""
+    reason = problem(path, digests)
+    return None if reason is None else f"{reason}; {instead(path, newest_intact(path.parent, other_than=path))}"
+
+
+def instead(path: Path, intact: Path | None) -> str:
+    """What to do when ``path`` cannot be loaded and ``intact`` is the newest intact checkpoint beside it."""
+    return f"resume from {intact} instead" if intact else f"{path.parent} holds no intact checkpoint"
+
+
+def newest_intact(folder: Path, other_than: Path) -> Path | None:
+    """The most recently written intact ``*.ckpt`` of ``folder`` apart from ``other_than``, verified newest
+    first so that only as many are read as it takes."""
+    if not folder.is_dir():
+        return None
+    candidates = [p for p in folder.iterdir() if p.suffix == ".ckpt" and p != other_than]
+    for candidate in sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True):
+        if damage(candidate) is None:
+            return candidate
+    return None
+
+
+def _missing_part(folder: Path) -> str | None:
     """What the checkpoint folder lacks, or None when every file it needs is there in full."""
     if not (folder / INDEX).is_file():
         return f"no {INDEX}"
     if not (folder / META).is_file() or not zipfile.is_zipfile(folder / META):
         return f"{META} missing or cut short"
+    try:
+        stored = FileSystemReader(str(folder)).read_metadata().storage_data
+    except Exception:  # whatever unpickling damaged bytes raises
+        return f"{INDEX} unreadable"
     needed: dict[str, int] = {}
-    for info in FileSystemReader(str(folder)).read_metadata().storage_data.values():
+    for info in stored.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(needed.items()):
         shard = folder / name
@@ -112,33 +232,13 @@ def damage(folder: Path) -> str | None:
     return None
 
 
-def problem(path: Path) -> str | None:
-    """Why ``path`` must not be loaded, in one line naming a complete checkpoint to use instead; None to load
-    it as Lightning would (a missing path without leftovers fails there, as before)."""
-    if path.is_dir():
-        reason = damage(path)
-        return None if reason is None else f"checkpoint {path} is incomplete ({reason}); {_instead(path)}"
-    left = leftovers(path)
-    if os.path.lexists(path) or not left:
-        return None
-    names = ", ".join(str(p) for p in left)
-    return f"checkpoint {path} is missing: a save of it was cut short ({names} left behind); {_instead(path)}"
-
-
-def newest_complete(folder: Path, other_than: Path) -> Path | None:
-    """The most recently written complete ``*.ckpt`` of ``folder`` apart from ``other_than``."""
-    if not folder.is_dir():
-        return None
-    complete = [
-        p for p in folder.iterdir()
-        if p.suffix == ".ckpt" and p != other_than and (p.is_file() or (p.is_dir() and damage(p) is None))
-    ]
-    return max(complete, key=lambda p: p.stat().st_mtime, default=None)
-
-
-def _instead(path: Path) -> str:
-    newest = newest_complete(path.parent, other_than=path)
-    return f"resume from {newest} instead" if newest else f"{path.parent} holds no complete checkpoint"
+def _archive_damage(path: Path) -> str | None:
+    """What is wrong with a checkpoint file, a zip archive as ``torch.save`` writes it, by its CRC-32s."""
+    if not zipfile.is_zipfile(path):
+        return "not a complete zip archive"
+    with zipfile.ZipFile(path) as archive:
+        bad = archive.testzip()
+    return None if bad is None else f"{bad} differs from the CRC-32 recorded when it was saved"
 
 
 def _is_checkpoint_file(name: str) -> bool:

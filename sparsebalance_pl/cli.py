@@ -3,8 +3,10 @@
 All are subcommands of one LightningCLI and read the same ``model``, ``data`` and ``trainer`` sections, so
 ``--config`` files stack (later ones win) and dotted overrides (``--model.attention.block_size=32``) work alike.
 Every setting is checked when the configuration is parsed and the classes are built, in the launching process
-and before any process group starts; a bad one ends the run with a single line naming the setting and what is
-allowed (exit code 2), not a traceback.
+and before any process group starts (``sparsebalance_pl.preflight`` for what Lightning would find only later);
+a bad one ends the run with a single line naming the setting and what is allowed (exit code 2), not a
+traceback. So do the parser's errors, what Lightning's Trainer and fit loop raise about their settings, and
+the errors of ours that only the ranks can find, damaged data or checkpoints (``_named_cause``).
 
 ``fit``, ``validate`` and ``test`` run the Trainer; under SLURM, ``fit`` checkpoints and requeues the job on
 SLURM's warning signal (``SlurmRequeue``). ``profile`` (this device's latency table), ``export`` (a checkpoint
@@ -16,14 +18,16 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from jsonargparse import Namespace
+from jsonargparse import ArgumentError, Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from sparsebalance_pl.callbacks import DynamicSparsityTuning
@@ -35,7 +39,9 @@ from sparsebalance_pl.distributed import leave_process_group
 from sparsebalance_pl.errors import ConfigError, DataError, TrainingError
 from sparsebalance_pl.export import export_checkpoint
 from sparsebalance_pl.module import SparseQwen
+from sparsebalance_pl.preflight import check_accelerator, check_ckpt_path, picked_by_lightning
 from sparsebalance_pl.slurm import SlurmRequeue
+from sparsebalance_pl.strategy import FSDP2Strategy
 
 
 class SparseBalanceCLI(LightningCLI):
@@ -83,6 +89,22 @@ class SparseBalanceCLI(LightningCLI):
         command = COMMANDS[subcommand]
         settings = self.config_init[subcommand]
         self.result = command(**{name: settings[name] for name in inspect.signature(command).parameters})
+
+    def before_instantiate_classes(self) -> None:
+        """Check the Trainer's settings that need nothing built, before anything is."""
+        if self._runs_trainer():
+            settings = self.config[self.subcommand]
+            check_accelerator(settings.trainer.accelerator, settings.get("config") or ())
+            check_ckpt_path(settings.ckpt_path)
+
+    def after_instantiate_classes(self) -> None:
+        """Tell the strategy whether the checkpoint it will load was named by the user or picked by Lightning."""
+        if self._runs_trainer() and isinstance(self.trainer.strategy, FSDP2Strategy):
+            self.trainer.strategy.fall_back_to_intact = picked_by_lightning(self.config[self.subcommand].ckpt_path)
+
+    def _runs_trainer(self) -> bool:
+        """Whether the command is one of the Trainer's (``fit``, ``validate``, ``test``); none is with ``run=False``."""
+        return self.subcommand is not None and self.subcommand not in COMMANDS
 
     def _check_model_and_data(self) -> None:
         vocab = self.model.dims.vocab_size
@@ -211,6 +233,7 @@ def main(args: list[str] | None = None, run: bool = True) -> SparseBalanceCLI | 
             LongContextDataModule,
             trainer_defaults={"use_distributed_sampler": False},
             save_config_kwargs={"overwrite": True},
+            parser_kwargs={"exit_on_error": False},  # a parse error is raised, and said in one line below
             args=args,
             run=run,
         )
@@ -219,7 +242,7 @@ def main(args: list[str] | None = None, run: bool = True) -> SparseBalanceCLI | 
         if cause is None:
             raise
         # One write per line: the ranks share stderr, and print's separate newline let two ranks' lines run together.
-        sys.stderr.write(f"error: {_last_line(cause)}\n")
+        sys.stderr.write(f"error: {_one_line(cause)}\n")
         if leave_process_group():
             # A rank of a launched run skips the interpreter's teardown: torch's and gloo's threads still alive
             # then can abort it ("terminate called without an active exception", exit code -6 instead of 2).
@@ -230,20 +253,61 @@ def main(args: list[str] | None = None, run: bool = True) -> SparseBalanceCLI | 
     return cli.result if cli.subcommand in COMMANDS else cli
 
 
-def _last_line(err: BaseException) -> str:
-    """The message itself, also where a DataLoader worker raised it (torch re-raises it in the main process
-    with the worker's traceback in the message, ending with the original ``Type: message`` line)."""
+def _one_line(err: BaseException) -> str:
+    """The message in one line: where a DataLoader worker raised it, its last line (torch re-raises it in the
+    main process with the worker's traceback in the message, ending with the original ``Type: message`` line);
+    the parser's as ``_parser_message`` shortens it."""
     message = str(err)
     if message.startswith("Caught ") and "Original Traceback" in message:
         return message.rstrip().splitlines()[-1].split(": ", 1)[-1]
+    if isinstance(err, ArgumentError):
+        return f"{_parser_message(message)} (--help lists every setting)"
     return message
 
 
+def _parser_message(message: str) -> str:
+    """jsonargparse's message in one line: the keys it nests (``Parser key "trainer.strategy":`` around
+    ``Parser key "timeout":``), then what the innermost one expected and the value given to it, leaving out the
+    type names it lists on the way."""
+    lines = [line.strip().removeprefix("- ") for line in message.splitlines() if line.strip()]
+    keys = [(i, match) for i, line in enumerate(lines) if (match := re.match(r'Parser key "([^"]+)":\s*(.*)', line))]
+    if not keys:
+        return " ".join(lines)
+    innermost, match = keys[-1]
+    reasons = [match.group(2)] if match.group(2) else []
+    given = False
+    for line in lines[innermost + 1:]:
+        if line.startswith(_PARSER_JARGON) or (given and line.startswith("Given value:")):
+            continue
+        given = given or line.startswith("Given value:")
+        reasons.append(line)
+    return f"{' / '.join(m.group(1) for _, m in keys)}: {'; '.join(reasons)}"
+
+
+_PARSER_JARGON = ("Does not validate", "Subtypes:", "Errors:", "Given value type:", "Expected a <class 'NoneType'>")
+
+
 def _named_cause(err: BaseException | None) -> BaseException | None:
-    """Our own error, also where the configuration parser re-raised it as the cause of its own (a callback's
-    settings are checked while jsonargparse builds the callback list)."""
+    """The error that a user's input caused, to be said in one line; None for any other (a bug, whose traceback
+    is wanted). Our own errors come first, also where the configuration parser re-raised one as the cause of its
+    own (a callback's settings are checked while jsonargparse builds the callback list); then the parser's own,
+    and Lightning's about its settings (``_raised_by_lightning``)."""
+    chain = []
     while err is not None:
-        if isinstance(err, (ConfigError, DataError, TrainingError)):
-            return err
+        chain.append(err)
         err = err.__cause__
-    return None
+    ours = [e for e in chain if isinstance(e, (ConfigError, DataError, TrainingError))]
+    theirs = [e for e in chain if isinstance(e, ArgumentError) or _raised_by_lightning(e)]
+    return (ours + theirs + [None])[0]
+
+
+def _raised_by_lightning(err: BaseException) -> bool:
+    """Whether Lightning itself raised ``err`` to refuse a setting: a ``MisconfigurationException``, or a
+    ``ValueError``, ``TypeError`` or ``ImportError`` raised in Lightning's own code (the Trainer's checks of its
+    arguments, the fit loop's of its intervals, a missing requirement of the accelerator asked for)."""
+    if not isinstance(err, (MisconfigurationException, ValueError, TypeError, ImportError)):
+        return False
+    frame = err.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame is not None and frame.tb_frame.f_globals.get("__name__", "").startswith("lightning.")

@@ -8,11 +8,14 @@ transformers directly (its attention implementation is set to ``sdpa``).
 
 from __future__ import annotations
 
+import warnings
+import zipfile
 from pathlib import Path
 
 import torch
 
-from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl import checkpoints
+from sparsebalance_pl.errors import ConfigError, DataError
 from transformers import Qwen2ForCausalLM
 
 from sparsebalance_pl.model import ModelConfig, ModelDims
@@ -27,6 +30,7 @@ def read_checkpoint(ckpt_path: str | Path) -> tuple[dict, dict[str, torch.Tensor
     if path.is_dir():
         if not (path / "meta.pt").is_file() or not (path / ".metadata").is_file():
             raise ConfigError(f"{path} is a folder but not a distributed checkpoint (no meta.pt or .metadata)")
+        _verify(path)
         from torch.distributed import checkpoint as dcp
 
         meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
@@ -41,6 +45,8 @@ def read_checkpoint(ckpt_path: str | Path) -> tuple[dict, dict[str, torch.Tensor
         dcp.load(state, storage_reader=reader, no_dist=True)
         weights = {key[len(prefix):]: value for key, value in state.items()}
     elif path.is_file():
+        if zipfile.is_zipfile(path):  # what is no archive at all is no checkpoint, said below
+            _verify(path)
         try:
             meta = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as err:  # pickle and zip errors of every kind
@@ -51,6 +57,16 @@ def read_checkpoint(ckpt_path: str | Path) -> tuple[dict, dict[str, torch.Tensor
     if not isinstance(meta, dict) or not weights or "hyper_parameters" not in meta:
         raise ConfigError(f"{path} holds no SparseQwen weights and hyperparameters (is it a SparseQwen checkpoint?)")
     return meta, weights
+
+
+def _verify(path: Path) -> None:
+    """Refuse a damaged checkpoint before any of it is read, as training does (``sparsebalance_pl.checkpoints``)."""
+    refusal = checkpoints.refusal(path)
+    if refusal is not None:
+        raise DataError(refusal)
+    unverified = checkpoints.unverified(path)
+    if unverified is not None:
+        warnings.warn(unverified)
 
 
 def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:

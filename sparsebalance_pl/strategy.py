@@ -13,10 +13,13 @@ that times out or loses a peer raises on the waiting rank, and the run ends with
 the global step. Under NCCL the process group's watchdog ends a timed-out process itself, naming the rank and
 the collective.
 
-Checkpoints are written in a hidden folder beside their path and moved there once every rank has written its
-part, and a damaged one is refused with a message naming a complete one (``sparsebalance_pl.checkpoints``): a
-rank killed while ``last.ckpt`` is written leaves the previous ``last.ckpt`` whole, and a SLURM job killed while
-``hpc_ckpt_<n>`` is written is requeued to the one before.
+Checkpoints are written in a hidden folder beside their path, their files' digests recorded, and moved there
+once every rank has written its part; loading verifies them first (``sparsebalance_pl.checkpoints``), every
+rank reading its share of the files. A rank killed while ``last.ckpt`` is written leaves the previous
+``last.ckpt`` whole, and a SLURM job killed while ``hpc_ckpt_<n>`` is written is requeued to the one before. A
+damaged checkpoint that the user named is refused with one line naming an intact one; one that Lightning picked
+for them (``ckpt_path="last"``, SLURM's newest ``hpc_ckpt_<n>``) gives way to the newest intact checkpoint
+beside it, with a warning naming both (``fall_back_to_intact``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from sparsebalance_pl import checkpoints
 from sparsebalance_pl.context_parallel import ContextParallel, check_size, create_context_parallel
-from sparsebalance_pl.distributed import is_collective_failure
+from sparsebalance_pl.distributed import gather_objects, is_collective_failure
 from sparsebalance_pl.errors import TrainingError
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         context_parallel_size: ranks per context-parallel group; it must divide the world, and a node's ranks
             or span whole nodes.
     """
+
+    fall_back_to_intact: bool = False
+    """Whether the checkpoint to load was picked for the user (``ckpt_path="last"``, SLURM's newest
+    ``hpc_ckpt_<n>``), so that, damaged, it gives way to the newest intact one beside it; a checkpoint the user
+    named is loaded or refused. Set by whoever passes ``ckpt_path`` to the Trainer (``main.py`` does)."""
 
     def __init__(
         self,
@@ -91,24 +99,66 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.barrier("checkpoint_staging")
         super().save_checkpoint(checkpoint, staging, storage_options)
         self.barrier("checkpoint_written")  # DCP's shards and .metadata, then rank 0's meta.pt
+        sharded = self.is_global_zero and staging.is_dir()
+        names = self.broadcast(checkpoints.checksummed_files(staging) if sharded else [])
+        digests = self._digests(staging, names)
         if self.is_global_zero:
+            if sharded:
+                checkpoints.write_checksums(staging, digests)
             checkpoints.install(staging, path)
         self.barrier("checkpoint_installed")
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Stop every rank with one message when the checkpoint is damaged, or missing after a save cut short,
-        instead of loading part of it; otherwise load it as Lightning does."""
+        """Verify the checkpoint before anything of it is loaded, then load it as Lightning does; damaged, or
+        missing after a save cut short, it stops every rank with one message, or gives way to the newest
+        intact checkpoint beside it (``fall_back_to_intact``)."""
         path = Path(self.broadcast(checkpoint_path))
-        problem = self.broadcast(checkpoints.problem(path) if self.is_global_zero else None)
-        if problem is not None:
-            raise TrainingError(problem)
+        recorded = self.broadcast(self._recorded_files(path) if self.is_global_zero else [])
+        digests = self._digests(path, recorded)
+        chosen = self.broadcast(self._checkpoint_to_load(path, digests) if self.is_global_zero else None)
+        if isinstance(chosen, str):
+            raise TrainingError(chosen)
+        return super().load_checkpoint(chosen, weights_only)
+
+    def _digests(self, folder: Path, names: list[str]) -> dict[str, str]:
+        """The digests of ``folder``'s named files, each rank reading its share of them (every rank calls it)."""
+        share = checkpoints.file_digests(folder, names[self.global_rank :: self.world_size])
+        return {name: digest for shares in gather_objects(share) for name, digest in shares.items()}
+
+    @staticmethod
+    def _recorded_files(path: Path) -> list[str]:
+        """The files of ``path`` whose digests were recorded when it was saved (none when it cannot tell)."""
+        try:
+            return sorted(checkpoints.recorded_checksums(path)) if path.is_dir() else []
+        except ValueError:
+            return []  # an unreadable record: ``checkpoints.damage`` says so
+
+    def _checkpoint_to_load(self, path: Path, digests: dict[str, str]) -> Path | str:
+        """Rank 0's decision: ``path``, the newest intact checkpoint beside it in its place, or the line to stop
+        every rank with."""
+        problem = checkpoints.problem(path, digests)
+        if problem is None:
+            self._warn_before_loading(path)
+            return path
+        intact = checkpoints.newest_intact(path.parent, other_than=path)
+        if intact is None or not self.fall_back_to_intact:
+            return f"{problem}; {checkpoints.instead(path, intact)}"
+        rank_zero_warn(f"{problem}; loading the newest intact checkpoint beside it instead: {intact}")
+        self._warn_before_loading(intact)
+        return intact
+
+    @staticmethod
+    def _warn_before_loading(path: Path) -> None:
+        """Say what loading ``path`` leaves aside: a cut-short save's leftovers, and content it cannot verify."""
         left = checkpoints.leftovers(path)
         if left:
             rank_zero_warn(
                 f"{', '.join(str(p) for p in left)}: left by a save of {path} that was cut short, ignored (the "
                 f"next save of {path.name} deletes it); loading the complete {path}"
             )
-        return super().load_checkpoint(path, weights_only)
+        unverified = checkpoints.unverified(path)
+        if unverified is not None:
+            rank_zero_warn(unverified)
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Rename before deleting, so that a removal cut short leaves no damaged checkpoint under the name."""

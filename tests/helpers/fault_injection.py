@@ -34,16 +34,19 @@ class InjectNonFiniteLoss(Callback):
 
 class PaceSteps(Callback):
     """Writes each global step to ``path`` (rank 0) and slows every step by ``seconds``, so that a test can
-    signal a run at a known point while it is still training."""
+    signal a run at a known point while it is still training. With ``while_exists``, only while that file
+    exists: a test ends the pacing by deleting it, also for a run whose command it cannot change (a requeued
+    SLURM job)."""
 
-    def __init__(self, path: str, seconds: float = 0.3) -> None:
-        self.path, self.seconds = path, seconds
+    def __init__(self, path: str, seconds: float = 0.3, while_exists: str | None = None) -> None:
+        self.path, self.seconds, self.while_exists = path, seconds, while_exists
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if trainer.is_global_zero:
             with open(self.path, "w") as f:
                 f.write(str(trainer.global_step))
-        time.sleep(self.seconds)
+        if self.while_exists is None or os.path.exists(self.while_exists):
+            time.sleep(self.seconds)
 
 
 class StallRank(Callback):

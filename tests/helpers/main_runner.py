@@ -53,14 +53,15 @@ def build_demo_data(run_dir: Path, **overrides) -> None:
     LongContextDataModule(corpus=corpus, batching=BatchingConfig(**data["batching"]), seed=data["seed"]).prepare_data()
 
 
-def error_of(capsys, *args: str) -> str:
-    """The error ``main.py fit --config configs/demo.yaml *args`` stops with, run in this process: exit code 2,
-    no traceback (run it from the repository root)."""
+def error_of(capsys, *args: str, command: tuple[str, ...] = ("fit", "--config", "configs/demo.yaml")) -> str:
+    """The error ``main.py fit --config configs/demo.yaml *args`` (or another ``command``) stops with, run in this
+    process: exit code 2, one line, no traceback (run it from the repository root)."""
     from sparsebalance_pl.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", "configs/demo.yaml", *args])
+        main([*command, *args])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, err
     return err

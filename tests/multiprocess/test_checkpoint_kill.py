@@ -1,5 +1,6 @@
 """A rank killed while ``last.ckpt`` is written leaves the previous checkpoint whole and ``--ckpt_path last``
-resumes from it; a damaged ``last.ckpt`` stops the run with one line naming it and a complete one."""
+resumes from it; a damaged checkpoint stops a run that names it with one line naming an intact one, and gives
+way to that one under ``--ckpt_path last``."""
 
 import csv
 import json
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from checkpoint_files import checkpoint_step as _step
-from checkpoint_files import write_checkpoint as _write
+from checkpoint_files import flip_bytes
 from main_runner import HELPERS, REPO, build_demo_data, run_main
 
 from sparsebalance_pl import checkpoints
@@ -91,14 +92,28 @@ def test_rank_killed_while_writing_last_resumes_from_the_previous_one(tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_damaged_last_checkpoint_stops_the_run_naming_a_complete_one(tmp_path, demo_data):
+def test_a_damaged_checkpoint_stops_a_named_resume_and_gives_way_under_last(tmp_path, demo_data):
+    """4 KiB flipped in the middle of a shard of ``last.ckpt``, its size unchanged: resuming from it by name
+    stops every rank with one line naming the shard and the newest intact checkpoint; ``--ckpt_path last``, which
+    lets Lightning pick, resumes from that one instead and says so."""
     (tmp_path / "data").symlink_to(demo_data)
+    keep_all = "--trainer.callbacks=" + json.dumps(
+        [{**EVERY_TWO_STEPS, "init_args": {**EVERY_TWO_STEPS["init_args"], "save_top_k": -1}}]
+    )
+    trained = run_main(tmp_path, *ARGS, keep_all, "--trainer.max_steps=4", timeout=240)
+    assert trained.returncode == 0, trained.stderr[-3000:]
     folder = tmp_path / CHECKPOINTS
-    complete = _write(folder / "epoch=0-step=2.ckpt", 2)
-    damaged = _write(folder / "last.ckpt", 4)  # as an in-place save killed before its .metadata leaves it
-    (damaged / ".metadata").unlink()
-    result = run_main(tmp_path, *ARGS, _callbacks(), "--ckpt_path=last", timeout=240)
-    assert result.returncode == 2, result.stderr[-3000:]
-    errors = {line for line in result.stderr.splitlines() if line.startswith("error:")}  # each rank prints it
-    expected = f"error: checkpoint {damaged} is incomplete (no .metadata); resume from {complete} instead"
-    assert errors == {expected} and "Traceback" not in result.stderr
+    last, intact = folder / "last.ckpt", folder / "epoch=0-step=4.ckpt"
+    shard = sorted(last.glob("*.distcp"))[-1]  # rank 1's
+    flip_bytes(shard)
+    problem = f"checkpoint {last} is damaged ({shard.name} differs from the checksum recorded when it was saved)"
+
+    named = run_main(tmp_path, *ARGS, keep_all, f"--ckpt_path={last}", timeout=240)
+    assert named.returncode == 2, named.stderr[-3000:]
+    errors = {line for line in named.stderr.splitlines() if line.startswith("error:")}  # each rank prints it
+    assert errors == {f"error: {problem}; resume from {intact} instead"} and "Traceback" not in named.stderr
+
+    picked = run_main(tmp_path, *ARGS, keep_all, "--ckpt_path=last", timeout=240)
+    assert picked.returncode == 0, picked.stderr[-3000:]
+    assert f"{problem}; loading the newest intact checkpoint beside it instead: {intact}" in picked.stderr
+    assert _logged_steps(tmp_path) == [4, 5]

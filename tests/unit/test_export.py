@@ -1,12 +1,14 @@
 """A training checkpoint (single file or FSDP2's distributed-checkpoint folder) exported as a Hugging Face
-directory gives the same model, loadable through ``model.pretrained_path`` and by transformers itself."""
+directory gives the same model, loadable through ``model.pretrained_path`` and by transformers itself; a damaged
+one is refused in one line before any of it is read."""
 
 
 import pytest
 import torch
 from torch.distributed import checkpoint as dcp
 from transformers import Qwen2ForCausalLM
-from main_runner import REPO
+from checkpoint_files import flip_bytes, write_checkpoint
+from main_runner import REPO, error_of
 
 from sparsebalance_pl import cli
 from sparsebalance_pl.attention import AttentionConfig
@@ -108,3 +110,14 @@ def test_export_needs_no_longer_the_directory_the_run_started_from(tmp_path):
     with torch.no_grad():
         want = Qwen2ForCausalLM.from_pretrained(out, local_files_only=True)(input_ids=ids).logits
         assert torch.allclose(_logits(module, ids), want, atol=1e-5)
+
+
+def test_a_damaged_checkpoint_is_refused_before_anything_is_read(tmp_path, capsys):
+    folder = write_checkpoint(tmp_path / "last.ckpt", 2)
+    flip_bytes(folder / "__0_0.distcp")
+    err = error_of(capsys, command=("export", "--ckpt_path", str(folder), "--out_dir", str(tmp_path / "hf")))
+    assert err == (
+        f"error: checkpoint {folder} is damaged (__0_0.distcp differs from the checksum recorded when it was saved); "
+        f"{tmp_path} holds no intact checkpoint\n"
+    )
+    assert not (tmp_path / "hf").exists()
