@@ -40,7 +40,8 @@ from sparsebalance_pl.distributed import gather_objects
 
 log = logging.getLogger(__name__)
 
-#: The latency-model terms that ``SparsityReport.attention_seconds`` covers: block selection + attention core.
+#: The latency-model terms that ``SparsityReport.attention_seconds`` covers: block selection + attention core
+#: (what ``SparseAttention`` times); the others are learned only from whole forward and backward passes.
 TIMED_TERMS = ("attention", "selection")
 _TIMED = np.array([name in TIMED_TERMS for name in TERMS], dtype=np.float64)
 #: The terms attention timing leaves out (projections, MLP, head, fixed costs): learned only where a rank's whole
@@ -140,13 +141,14 @@ class StepRecord:
 @dataclass(frozen=True)
 class StepObservation:
     """One step as ``CostModel.observe`` saw it: every rank's record (rank order), the timed seconds the model
-    predicted for each rank before it learned from them, beside the measured ones, and each rank's whole
-    forward and backward where it was timed (``observe``'s ``whole_seconds``; None otherwise): all a replay
-    of the step into another cost model needs."""
+    predicted for each rank before it learned from them (of which ``ring_predicted`` the ring's waits), beside the
+    measured ones, and each rank's whole forward and backward where it was timed (``observe``'s
+    ``whole_seconds``; None otherwise): all a replay of the step into another cost model needs."""
 
     records: list[StepRecord]
     predicted: np.ndarray
     measured: np.ndarray
+    ring_predicted: np.ndarray
     whole_seconds: list[float] | None = None
 
     @property
@@ -216,7 +218,8 @@ class CostModel:
 
     def document_costs(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
         """Predicted seconds each document adds to a micro-batch at its estimated density: what sparsity-aware
-        batching balances."""
+        batching balances. The same on every rank (every rank's cost model learned the same records), so a plan
+        each rank computes alone from them is the same plan."""
         lengths = np.asarray(lengths, dtype=np.float64)
         return self.latency.doc_costs(lengths, self.document_density(lengths))
 
@@ -303,7 +306,7 @@ class CostModel:
         if valid.all():
             self._observe_ring(records)
         whole = None if whole_seconds is None else [float(x) for x in whole_seconds]
-        self.last_step = StepObservation(records, predicted, measured, whole)
+        self.last_step = StepObservation(records, predicted, measured, ring, whole)
         return self.last_step
 
     def replay(self, step: Mapping[str, Any]) -> StepObservation:

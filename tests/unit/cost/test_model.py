@@ -5,14 +5,15 @@ import json
 import numpy as np
 import pytest
 
-from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel, SparsityReport, StepRecord
+from sparsebalance_pl.cost import CostModel, DensityEstimator, SparsityReport, StepRecord
+from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.model import PRESETS
 
 LONG, SHORT = [4096], [512] * 8
 
 
 def _cost(sparse: bool = True, warmup_steps: int = 0) -> CostModel:
-    latency = LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16)
+    latency = LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16)
     return CostModel(latency, DensityEstimator(block_size=64) if sparse else None, warmup_steps=warmup_steps)
 
 
@@ -109,13 +110,13 @@ def test_rank_count_change_restarts_speeds(caplog):
 
 
 def test_step_overhead_follows_the_measured_optimiser_time_after_the_first_step():
-    cost = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16), speed_smoothing=0.5)
+    cost = CostModel(LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16), speed_smoothing=0.5)
     cost.observe_step_overhead(5.0)  # the first step allocates the optimiser's state
     assert cost.step_overhead == 0.0
     for seconds in (0.2, 0.2, 0.2, float("nan"), 0.2):
         cost.observe_step_overhead(seconds)
     assert cost.step_overhead == pytest.approx(0.2)
-    restored = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16))
+    restored = CostModel(LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16))
     restored.load_state_dict(cost.state_dict())
     assert restored.step_overhead == pytest.approx(0.2)
 
