@@ -24,7 +24,7 @@ model is called with the keyword ``sparse_attention`` (``PackedCausalLM`` does t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable

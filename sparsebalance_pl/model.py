@@ -22,6 +22,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from sparsebalance_pl.errors import ConfigError
 from sparsebalance_pl.loss import chunked_cross_entropy_sum
 
+__all__ = [
+    "CONTEXT_OVERRIDES", "PRESETS", "ModelConfig", "ModelDims", "PackedCausalLM", "Preset", "answer_exact_match",
+    "architecture_name", "build_model", "check_architecture", "check_model", "decoder_layers", "greedy_tokens",
+]
+
 
 @dataclass(frozen=True)
 class ModelDims:

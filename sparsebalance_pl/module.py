@@ -25,7 +25,8 @@ from sparsebalance_pl.loss import globally_normalised_loss
 from sparsebalance_pl.metrics import TokenMeanLoss
 from sparsebalance_pl.model import ModelConfig, PackedCausalLM, decoder_layers
 from sparsebalance_pl.strategy import apply_fully_shard
-from sparsebalance_pl.timing import AttentionTimer
+
+__all__ = ["OptimConfig", "SparseCausalLM"]
 
 
 @dataclass

@@ -23,7 +23,6 @@ from torch.utils.data import DataLoader
 from sparsebalance_pl.attention import AttentionConfig, SparseAttention
 from sparsebalance_pl.callbacks import DynamicSparsityTuning
 from sparsebalance_pl.cost import CostModel, SparsityReport
-from sparsebalance_pl.kernels import LayerBudget
 from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.model import PRESETS
 
