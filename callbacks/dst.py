@@ -38,17 +38,17 @@ class DynamicSparsityTuning(Callback):
 
     How soon DST acts depends on where its cost model starts: it holds the base budgets while a step's predicted
     imbalance lies within the cost model's own recent error (``dst/prediction_error``), and moves only part of
-    the way while that error is large (``dst/confidence``). A table profiled for the module
-    (``SparseAttention.profile``) starts calibrated to within the machine's noise; the analytic FLOP prior starts
-    at an error of 1.0, and DST then waits until measured steps have brought the error down, which on a module
-    the prior fits badly can take longer than a short run.
+    the way while that error is large (``dst/confidence``). A table profiled for the module on this machine
+    (``SparseAttention.profile``) starts that error at the spread of the profile's own timings, so DST acts from
+    the first step; the analytic FLOP prior starts it at 1.0, and DST then waits until measured steps have brought
+    it down, which on a module the prior fits badly can take longer than a short run.
 
     Args:
         anchor: ``mean`` (default), ``median``, ``min``, ``max`` of the ranks' predicted times at the base
             budget, or ``adaptive`` (``DSTController``); raised to the longest time a rank takes at its sparsest.
         p: largest move of tau away from the base budget, in [0, 1]. The kept tiles scale with the cost model so
             that no rank passes the anchor time: a straggler's scale brings it down to the anchor (no lower than
-            ``min_density``), a fast rank's stops it there (``callbacks.budget``).
+            ``min_density``), a fast rank's stops it there (``sparsebalance_pl.dst.budget``).
         min_density: the lowest density a straggler aims at, in [0, 1].
         recall_tolerance: the adaptive anchor's allowance for predicted loss of mean recall.
 

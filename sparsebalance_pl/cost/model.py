@@ -33,7 +33,7 @@ import numpy as np
 
 from sparsebalance_pl.balance import imbalance
 from sparsebalance_pl.cost.density import DensityEstimator
-from sparsebalance_pl.cost.latency import TERMS, LatencyModel
+from sparsebalance_pl.cost.latency import TERMS, UNCALIBRATED_ERROR, LatencyModel
 from sparsebalance_pl.cost.recall import RecallPrices
 from sparsebalance_pl.cost.ring import RingCost
 from sparsebalance_pl.distributed import gather_objects
@@ -47,9 +47,6 @@ _TIMED = np.array([name in TIMED_TERMS for name in TERMS], dtype=np.float64)
 #: The terms attention timing leaves out (projections, MLP, head, fixed costs): learned only where a rank's whole
 #: forward and backward is timed free of collectives (``observe``'s ``whole_seconds``).
 UNTIMED_TERMS = tuple(name for name in TERMS if name not in TIMED_TERMS)
-#: ``CostModel.error`` before any step was measured: predictions may be off by a factor e (the analytic prior
-#: was off by a median 60% and up to 10x on modules it was not made for).
-UNCALIBRATED_ERROR = 1.0
 #: One step changes no rank's prediction of a timed term (the term's calibrated scale times the rank's speed) by
 #: more than this factor: a prior that is far off converges over a few steps instead of swinging every
 #: prediction (and DST's anchor) at once.
@@ -197,18 +194,29 @@ class CostModel:
             raise ValueError(f"speed_smoothing={speed_smoothing} must lie in (0, 1]")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
-        self.latency = latency
         self.density = density
         self.ring = RingCost.for_model(latency.table.meta.dims, latency.table.meta.dtype)
         self.recall_prices = RecallPrices()
         self.speed_smoothing = speed_smoothing
         self.warmup_left = warmup_steps  # per process: not checkpointed, a resumed process warms up again
         self.log_speeds = np.zeros(0)
-        self.error = UNCALIBRATED_ERROR
         self.steps_observed = 0
+        self.latency = latency
         self.step_overhead = 0.0
         self.overheads_observed = 0
         self.last_step: StepObservation | None = None
+
+    @property
+    def latency(self) -> LatencyModel:
+        return self._latency
+
+    @latency.setter
+    def latency(self, model: LatencyModel) -> None:
+        """A new latency model (a profiled table in place of the prior); before any step was measured, ``error``
+        starts from what the model expects of itself (``LatencyModel.prior_error``)."""
+        self._latency = model
+        if self.steps_observed == 0:
+            self.error = model.prior_error
 
     # ------------------------------------------------------------------------------------------ predicting
     def document_density(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -379,12 +379,12 @@ def profile_hardware(
             "model": lambda i, _: whole.workload(*step_batches[i]),
         }
         with measure_contention(_cores_used(device)) as contention:
-            times = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
+            times, spread = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
     counts = np.asarray(grid.token_counts, dtype=np.float64)
     token_layer, layer_overhead = _line([times[("layer", n, None)] for n in grid.token_counts], counts)
     token_head, model_overhead = _line([times[("head", n, None)] for n in grid.token_counts], counts)
     table = _table(times, grid, bench, scope_tokens, clock, (token_layer, token_head, layer_overhead, model_overhead),
-                   contention.as_notes())
+                   {"timing_spread": spread, **contention.as_notes()})
     steps = [(lengths, density, times[("model", i, None)]) for i, (lengths, density) in enumerate(step_batches)]
     steps = [step for step in steps if np.isfinite(step[2])]
     model = LatencyModel(_fitted_to_steps(table, steps) if steps else table)
@@ -431,14 +431,14 @@ def profile_module(
         bench = _KernelBench(dims, device, dtype, block_size, stride, selection)
         workloads = {"step": lambda n, _: lambda: step([short] * max(n // short, 1))}
         with measure_contention(_cores_used(device)) as contention:
-            times = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
+            times, spread = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
     kernels_only = LatencyModel(_table(times, grid, bench, scope_tokens, clock, (0.0, 0.0, 0.0, 0.0), {}))
     layers = kernels_only.num_layers
     streams = [[short] * max(n // short, 1) for n in grid.token_counts]
     rest = [times[("step", n, None)] - kernels_only.predict(ls, 1.0) for n, ls in zip(grid.token_counts, streams)]
     per_token, fixed = _line(rest, np.array([sum(lengths) for lengths in streams], dtype=np.float64))
     model = LatencyModel(_table(times, grid, bench, scope_tokens, clock, (per_token / layers, 0.0, fixed / layers, 0.0),
-                                {"token_costs": "module steps", **contention.as_notes()}))
+                                {"token_costs": "module steps", "timing_spread": spread, **contention.as_notes()}))
     if output is not None:
         model.save(output)
     warn_if_busy(model, output or "just profiled")
@@ -485,13 +485,15 @@ def _measure(
     clock: Clock,
     progress: bool,
     seed: int,
-) -> dict[tuple, float]:
-    """Each cell's fastest time over ``grid.passes`` sweeps in different orders, with a progress bar. Kernel
-    cells are timed on ``bench``, the others by ``workloads[part](n, extra)``. A whole-model step that runs out
-    of memory is timed as infinite (training may fit only with activation checkpointing)."""
+) -> tuple[dict[tuple, float], float | None]:
+    """Each cell's fastest time over ``grid.passes`` sweeps in different orders, with a progress bar, and how far
+    a cell's sweeps strayed from each other (the median over cells of |log(slowest / fastest)|; None with one
+    sweep): how far a measured time can be from the table's for no other reason. Kernel cells are timed on
+    ``bench``, the others by ``workloads[part](n, extra)``. A whole-model step that runs out of memory is timed as
+    infinite (training may fit only with activation checkpointing)."""
     shuffle = np.random.default_rng([seed, 3])
     sweeps = [cells] + [[cells[i] for i in shuffle.permutation(len(cells))] for _ in range(grid.passes - 1)]
-    times: dict[tuple, float] = {}
+    samples: dict[tuple, list[float]] = {}
     columns = (TextColumn("profiling {task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with LoggedProgress(*columns, disable=not progress, transient=False) as bar:
         task = bar.add_task("", total=len(cells) * grid.passes)
@@ -512,9 +514,10 @@ def _measure(
                     raise
                 log.warning("whole-model step %d ran out of memory; left out of the fit", n)
                 seconds = np.inf
-            times[cell] = min(times.get(cell, np.inf), seconds)
+            samples.setdefault(cell, []).append(seconds)
             bar.advance(task)
-    return times
+    spreads = [np.log(max(t) / min(t)) for t in samples.values() if len(t) > 1 and np.isfinite(t).all()]
+    return {cell: min(t) for cell, t in samples.items()}, float(np.median(spreads)) if spreads else None
 
 
 def _table(

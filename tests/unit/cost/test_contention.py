@@ -27,6 +27,9 @@ def test_another_process_spinning_on_our_cpus_counts_as_other_work():
         while time.process_time() < end:  # this process's own work is not contention
             pass
     assert own.other_cores < contention.other_cores - 0.3, (own, contention)
+    with measure_contention(cores_used=1, own_children=True) as benchmark:
+        subprocess.run([sys.executable, "-c", SPIN], check=True)  # a benchmark's own run is not contention
+    assert benchmark.other_cores < contention.other_cores - 0.3, (benchmark, contention)
 
 
 def test_busy_means_more_other_work_than_the_spare_cores_hold():

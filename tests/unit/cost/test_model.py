@@ -1,6 +1,7 @@
 """The cost model as one object: predictions, learning from steps of every rank, state."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -234,3 +235,17 @@ def test_a_move_is_priced_by_exact_recall_where_it_was_measured_else_by_the_esti
     assert SparsityReport(**moved, recall=0.85, base_recall=0.88).moved() == pytest.approx((-0.1, -0.03))
     assert SparsityReport(**moved, recall=0.85).moved() == pytest.approx((-0.1, -0.1))  # no base recall measured
     assert SparsityReport(**dict(moved, base_density=None)).moved() is None
+
+
+def test_the_error_starts_from_what_the_latency_model_expects_of_itself():
+    """A table profiled on this machine for this model starts DST's trust at the spread of its own timings; the
+    analytic prior starts uncalibrated; measured steps take over either way."""
+    cost = _cost()
+    assert cost.error == 1.0  # the analytic prior
+    table = cost.latency.table
+    cost.latency = LatencyModel(replace(table, meta=replace(table.meta, source="profile", notes={"timing_spread": 0.04})))
+    assert cost.latency.prior_error == 0.04 and cost.error == 0.04
+    cost.observe([_record(cost, LONG, 0.5, slower=1.5)])
+    assert cost.error == pytest.approx((0.04 + np.log(1.5)) / 2)  # the start counts as one step
+    cost.latency = LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16)
+    assert cost.error == pytest.approx((0.04 + np.log(1.5)) / 2)  # learned: a new table does not reset it

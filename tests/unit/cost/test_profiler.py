@@ -25,7 +25,7 @@ TINY = ModelDims(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, inte
 TINY_CONFIG = TINY.to_hf_config()
 TINY_GRID = ProfileGrid(
     lengths=(128, 256), densities=(0.5, 1.0), token_counts=(128, 2048), repeats=2, cell_seconds=0.5,
-    model_steps=3, model_tokens=(128, 512),
+    model_steps=3, model_tokens=(128, 512), passes=2,
 )
 KERNELS = dict(block_size=32, stride=8)
 
@@ -59,6 +59,7 @@ def test_tiny_profile_measures_every_part_and_describes_itself(tiny_profile):
     assert meta.dims["num_layers"] == 2 and meta.dims["head_dim"] == 32
     assert (meta.block_size, meta.stride, meta.dtype) == (32, 8, "float32")
     assert set(meta.versions) == {"torch", "triton", "transformers"}
+    assert meta.notes["timing_spread"] >= 0 and model.prior_error == meta.notes["timing_spread"]  # DST's first trust
     # The parts' terms are scaled to the whole-model steps, and a call's fixed cost moved to the layer.
     scales = np.array(list(meta.notes["model_step_scales"].values()))
     assert scales.shape == (4,) and np.all(np.isfinite(scales)) and np.all(scales > 0)
