@@ -35,3 +35,8 @@ def test_single_rank_keeps_base_budget_and_logs(tmp_path):
     restored.load_state_dict(json.loads(json.dumps(state)))
     restored.on_fit_start(module.trainer, module)
     assert restored.state_dict() == state
+
+
+def test_connect_warns_that_the_cost_model_now_comes_from_the_module():
+    with pytest.warns(FutureWarning, match="connect is no longer needed: it predicts with the cost model of the module"):
+        DynamicSparsityTuning().connect(object())
