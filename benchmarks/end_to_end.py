@@ -353,11 +353,12 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
     # would be wasted, and would overwrite the table file the emulation used (a check run on other threads, say)
     module, data, trainer = build(["--config", str(config_path)]
                                   + (["--model.latency_profile=false"] if calibrated is not None else []))
+    attention = module.sparse_attention
     if VARIANTS[variant_kind(name)][0] == "sparse" and calibrated is None:  # as DensityCalibration before an epoch
-        module.calibrate_density(data.calibration_batches(min_length=module.sparse_attention.config.block_size))
-    controller = DSTController(module.sparse_attention.cost_model, module.sparse_attention.base_budgets, **args.dst_settings[name])
+        module.calibrate_density(data.calibration_batches(min_length=attention.config.block_size))
+    controller = DSTController(attention.cost_model, attention.base_budgets, **args.dst_settings[name])
     if calibrated is not None:
-        module.sparse_attention.cost_model.load_state_dict(calibrated["cost_model"])
+        attention.cost_model.load_state_dict(calibrated["cost_model"])
         controller.load_state_dict(calibrated["controller"])
     else:
         residuals: list[list[float]] = []
@@ -370,7 +371,7 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
                     done = calibration.step(step_batches(items, step), update=False)
                     if i:  # the first step's predictions come from the uncalibrated table
                         residuals.append([math.log(m / q) for m, q in zip(done.rank_seconds, done.predicted_seconds)])
-        state = {"cost_model": module.sparse_attention.cost_model.state_dict(), "controller": controller.state_dict(),
+        state = {"cost_model": attention.cost_model.state_dict(), "controller": controller.state_dict(),
                  "residuals": residuals}
         (run_dir / CALIBRATED_STATE).write_text(json.dumps(state, default=lambda array: array.tolist()))
     plan = data.train_plan(args.ranks, rank=0).plan()

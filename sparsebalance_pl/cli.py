@@ -8,7 +8,8 @@ allowed (exit code 2), not a traceback.
 
 ``fit``, ``validate`` and ``test`` run the Trainer; under SLURM, ``fit`` checkpoints and requeues the job on
 SLURM's warning signal (``SlurmRequeue``). ``profile`` (this device's latency table), ``export`` (a checkpoint
-as a Hugging Face directory) and ``convert`` (a GGUF model as a Hugging Face directory of its own family) are the functions
+as a Hugging Face directory) and ``convert`` (a GGUF model as a Hugging Face directory of its own family) are the
+functions
 of ``COMMANDS``, whose signatures give their settings.
 """
 

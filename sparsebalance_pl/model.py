@@ -11,7 +11,7 @@ plug-in and the chunked loss would silently change) is refused with one line nam
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -136,7 +136,7 @@ class Preset:
 
     model_type: str
     dims: ModelDims
-    rope_scaling: dict | None = field(default=None)
+    rope_scaling: dict | None = None
 
 
 def _qwen25(num_layers: int, hidden_size: int, num_heads: int, intermediate_size: int) -> Preset:

@@ -127,8 +127,9 @@ def test_a_step_without_update_teaches_the_cost_model_and_leaves_the_weights(mod
     assert step.optimizer_seconds == 0.0 and math.isfinite(step.loss)
     for name, p in module.named_parameters():
         assert torch.equal(p.detach(), before[name]) and p.grad is None, name
-    assert ranks.scheduler.last_epoch == 0 and module.sparse_attention.cost_model.overheads_observed == 0
-    assert module.sparse_attention.cost_model.warmup_left == 0 and module.sparse_attention.cost_model.last_step is step.observations[-1]
+    cost_model = module.sparse_attention.cost_model
+    assert ranks.scheduler.last_epoch == 0 and cost_model.overheads_observed == 0
+    assert cost_model.warmup_left == 0 and cost_model.last_step is step.observations[-1]
 
 
 def test_a_step_keeps_each_ranks_predicted_time_from_the_controller(module):
@@ -136,7 +137,8 @@ def test_a_step_keeps_each_ranks_predicted_time_from_the_controller(module):
 
     without = EmulatedRanks(module, 2, total_steps=4).step([[_batch(0)], [_batch(1)]], update=False)
     assert all(math.isnan(s) for s in without.predicted_seconds)
-    controller, decisions = DSTController(module.sparse_attention.cost_model, module.sparse_attention.base_budgets, p=0.0), []
+    sparse = module.sparse_attention
+    controller, decisions = DSTController(sparse.cost_model, sparse.base_budgets, p=0.0), []
     plan = controller.plan
     controller.plan = lambda lengths: decisions.append(plan(lengths)) or decisions[-1]
     batches = [[_batch(0), _batch(2, (64,))], [_batch(1), _batch(3, (64,))]]

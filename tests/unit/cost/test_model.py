@@ -243,7 +243,8 @@ def test_the_error_starts_from_what_the_latency_model_expects_of_itself():
     cost = _cost()
     assert cost.error == 1.0  # the analytic prior
     table = cost.latency.table
-    cost.latency = LatencyModel(replace(table, meta=replace(table.meta, source="profile", notes={"timing_spread": 0.04})))
+    meta = replace(table.meta, source="profile", notes={"timing_spread": 0.04})
+    cost.latency = LatencyModel(replace(table, meta=meta))
     assert cost.latency.prior_error == 0.04 and cost.error == 0.04
     cost.observe([_record(cost, LONG, 0.5, slower=1.5)])
     assert cost.error == pytest.approx((0.04 + np.log(1.5)) / 2)  # the start counts as one step

@@ -95,7 +95,8 @@ def test_generation_stops_at_eos_or_the_token_limit():
 def test_packed_greedy_generation_matches_hugging_face_per_prompt():
     """Recomputing the packed stream per token gives what greedy decoding of each prompt alone gives."""
     torch.manual_seed(0)
-    module = SparseCausalLM(model=ModelConfig(preset="demo", overrides=TINY), attention=AttentionConfig(backend="dense"))
+    module = SparseCausalLM(model=ModelConfig(preset="demo", overrides=TINY),
+                            attention=AttentionConfig(backend="dense"))
     module.configure_model()
     module.eval()
     for name, weight in module.net.named_parameters():

@@ -18,7 +18,8 @@ MIXED = [[8192], [4096, 2048], [4096, 1024, 1024], [2048] * 3]
 
 
 def _cost(error: float) -> CostModel:
-    cost = CostModel(LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16), DensityEstimator(block_size=64))
+    latency = LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16)
+    cost = CostModel(latency, DensityEstimator(block_size=64))
     cost.error = error
     return cost
 
