@@ -38,7 +38,7 @@ from sparsebalance_pl.attention import AttentionConfig  # noqa: E402
 from sparsebalance_pl.callbacks.dst import DynamicSparsityTuning  # noqa: E402
 from sparsebalance_pl.datamodules.packing import collate_packed  # noqa: E402
 from sparsebalance_pl.model import ModelConfig  # noqa: E402
-from sparsebalance_pl.module import OptimConfig, SparseQwen  # noqa: E402
+from sparsebalance_pl.module import OptimConfig, SparseCausalLM  # noqa: E402
 from sparsebalance_pl.strategy import FSDP2Strategy  # noqa: E402
 
 VARIANTS = [("static", 0.0)] + [(a, p) for p in (0.05, 0.1, 0.2) for a in ("min", "mean", "max", "adaptive")]
@@ -68,7 +68,7 @@ def workload(rank: int, tokens: int, short_docs: int, vocab: int) -> dict:
 
 def run_variant(anchor: str, p: float, args: argparse.Namespace) -> list[dict[str, float]]:
     torch.manual_seed(0)
-    module = SparseQwen(
+    module = SparseCausalLM(
         model=ModelConfig(preset="demo") if args.init == "none" else ModelConfig(pretrained_path=args.init),
         attention=AttentionConfig(tau=0.9, recall_rows=64),
         optim=OptimConfig(lr=1e-3, warmup_steps=0),
@@ -77,7 +77,6 @@ def run_variant(anchor: str, p: float, args: argparse.Namespace) -> list[dict[st
     )
     recorder = StepRecorder()
     dst = DynamicSparsityTuning(anchor="mean" if anchor == "static" else anchor, p=p)
-    dst.connect(module.cost_model)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=FSDP2Strategy(), max_steps=args.steps, logger=False,
         callbacks=[dst, recorder], enable_progress_bar=False, enable_model_summary=False,

@@ -185,7 +185,7 @@ def variant_kind(name: str) -> str:
 def dst_settings(name: str, args: argparse.Namespace) -> dict:
     """The DST callback's settings for variant spec ``name``: its own (``VARIANT_SETTINGS``), else the command
     line's; p = 0 for the variants that only measure. A spec that cannot run raises one line naming it."""
-    from sparsebalance_pl.callbacks.controller import check_settings
+    from sparsebalance_pl.dst import check_settings
 
     kind = variant_kind(name)
     if kind not in VARIANTS:
@@ -342,7 +342,7 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
     steps after the first (``residuals``, per step and rank, log of measured over predicted); with ``calibrated``
     (such a file's contents) that state is loaded instead, so a prediction starts from what the measured epoch
     started from."""
-    from sparsebalance_pl.callbacks.controller import DSTController
+    from sparsebalance_pl.dst import DSTController
     from sparsebalance_pl.emulation import EmulatedRanks, build, step_batches
 
     run_dir = run_folder(args.out, name, round_index)
@@ -353,11 +353,12 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
     # would be wasted, and would overwrite the table file the emulation used (a check run on other threads, say)
     module, data, trainer = build(["--config", str(config_path)]
                                   + (["--model.latency_profile=false"] if calibrated is not None else []))
+    attention = module.sparse_attention
     if VARIANTS[variant_kind(name)][0] == "sparse" and calibrated is None:  # as DensityCalibration before an epoch
-        module.calibrate_density(data.calibration_batches(min_length=module.attention_config.block_size))
-    controller = DSTController(module.cost_model, module.base_budgets, **args.dst_settings[name])
+        module.calibrate_density(data.calibration_batches(min_length=attention.config.block_size))
+    controller = DSTController(attention.cost_model, attention.base_budgets, **args.dst_settings[name])
     if calibrated is not None:
-        module.cost_model.load_state_dict(calibrated["cost_model"])
+        attention.cost_model.load_state_dict(calibrated["cost_model"])
         controller.load_state_dict(calibrated["controller"])
     else:
         residuals: list[list[float]] = []
@@ -370,7 +371,7 @@ def prepare_emulated(base: dict, name: str, args: argparse.Namespace, round_inde
                     done = calibration.step(step_batches(items, step), update=False)
                     if i:  # the first step's predictions come from the uncalibrated table
                         residuals.append([math.log(m / q) for m, q in zip(done.rank_seconds, done.predicted_seconds)])
-        state = {"cost_model": module.cost_model.state_dict(), "controller": controller.state_dict(),
+        state = {"cost_model": attention.cost_model.state_dict(), "controller": controller.state_dict(),
                  "residuals": residuals}
         (run_dir / CALIBRATED_STATE).write_text(json.dumps(state, default=lambda array: array.tolist()))
     plan = data.train_plan(args.ranks, rank=0).plan()

@@ -6,7 +6,10 @@ its epoch before it has measured anything, so step s holds the same documents in
 be compared step by step. Printed per variant: mean measured attention imbalance, its ratio to p = 0, the
 largest step-to-step move of DST's anchor on the same documents (``dst/anchor_drift``: what learning moved it)
 and with the change of documents between steps (the raw anchor), and how many steps DST made worse than p = 0
-by more than the noise (the largest difference between two p = 0 rounds on the same step).
+by more than the noise (the largest difference between two p = 0 rounds on the same step), and how many cores
+other work took on the machine's CPUs while the variant ran (``cost.contention``: timings beside other work are
+not the example's own). Last, per start, in how many rounds DST cut the mean imbalance against p = 0 of the same
+round by at least ``TARGET_CUT`` and by more than p = 0 itself varied between rounds.
 
     python benchmarks/example_dst.py --steps 20 --rounds 3 --out outputs/example_dst
 """
@@ -23,17 +26,27 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_gpt.py"
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+from sparsebalance_pl.cost.contention import measure_contention  # noqa: E402
+
+RANKS = 2
+#: The least cut of the mean measured imbalance against p = 0 that counts as DST helping.
+TARGET_CUT = 0.05
 
 
 def run(out: Path, steps: int, p: float, table: Path | None) -> dict[str, np.ndarray]:
-    command = [sys.executable, str(EXAMPLE), "--steps", str(steps), "--p", str(p), "--out", str(out)]
+    """The example's logged series, and ``other_cores``: the cores other work took while it ran."""
+    command = [sys.executable, str(EXAMPLE), "--steps", str(steps), "--p", str(p), "--out", str(out),
+               "--devices", str(RANKS)]
     if table is not None:
         command += ["--latency-table", str(table)]
-    subprocess.run(command, check=True, capture_output=True, text=True, cwd=out.parent)
+    with measure_contention(cores_used=RANKS, own_children=True) as contention:
+        subprocess.run(command, check=True, capture_output=True, text=True, cwd=out.parent)
     rows = list(csv.DictReader(open(out / "logs" / "version_0" / "metrics.csv")))
     series = {}
     for key in ("dst/measured_imbalance", "dst/anchor_s", "dst/anchor_drift", "dst/prediction_error"):
         series[key] = np.array([float(r[key]) for r in rows if r.get(key)])
+    series["other_cores"] = np.array([np.nan if contention.other_cores is None else contention.other_cores])
     return series
 
 
@@ -59,11 +72,13 @@ def main() -> None:
             for p in (0.1, 0.0):
                 out = (args.out / f"{start}-p{p}-round{r}").resolve()
                 results.setdefault((start, p), []).append(run(out, args.steps, p, path))
-                print(f"round {r} {start} p={p}: mean imbalance "
-                      f"{results[(start, p)][-1]['dst/measured_imbalance'].mean():.3f}", flush=True)
-    print("\n| start | p | mean measured imbalance (rounds) | vs p = 0 | largest anchor move, same documents "
-          "(with the workload's change) | steps worse than p = 0 by more than the noise | final prediction error |")
-    print("|---|---|---|---|---|---|---|")
+                last = results[(start, p)][-1]
+                print(f"round {r} {start} p={p}: mean imbalance {last['dst/measured_imbalance'].mean():.3f}, "
+                      f"other work {last['other_cores'][0]:.2f} cores", flush=True)
+    print("\n| start | p | mean measured imbalance (rounds) | vs p = 0 (rounds) | largest anchor move, same documents "
+          "(with the workload's change) | steps worse than p = 0 by more than the noise | final prediction error | "
+          "other work, cores (mean, max) |")
+    print("|---|---|---|---|---|---|---|---|")
     for start in starts:
         static = np.array([s["dst/measured_imbalance"] for s in results[(start, 0.0)]])
         noise = max(np.abs(a - b).max() for i, a in enumerate(static) for b in static[i + 1:])
@@ -74,9 +89,21 @@ def main() -> None:
             drift = max(_largest_factor(s["dst/anchor_drift"]) for s in runs)
             worse = int((measured.mean(0) - static.mean(0) > noise).sum()) if p > 0 else 0
             per_round = " / ".join(f"{m:.3f}" for m in measured.mean(1))
+            gains = " / ".join(f"{g:.3f}" for g in static.mean(1) / measured.mean(1))
             error = np.mean([s["dst/prediction_error"][-1] for s in runs])
+            others = np.array([s["other_cores"][0] for s in runs])
             print(f"| {start} | {p} | {measured.mean():.3f} ({per_round}) | {static.mean() / measured.mean():.3f}x "
-                  f"| {drift:.2f}x ({move:.2f}x) | {worse} of {measured.shape[1]} (noise {noise:.3f}) | {error:.3f} |")
+                  f"({gains}) | {drift:.2f}x ({move:.2f}x) | {worse} of {measured.shape[1]} (noise {noise:.3f}) "
+                  f"| {error:.3f} | {np.nanmean(others):.2f}, {np.nanmax(others):.2f} |")
+    for start in starts:
+        static = np.array([s["dst/measured_imbalance"].mean() for s in results[(start, 0.0)]])
+        tuned = np.array([s["dst/measured_imbalance"].mean() for s in results[(start, 0.1)]])
+        spread = static.max() - static.min()
+        cut = 1.0 - tuned / static
+        held = int(((cut >= TARGET_CUT) & (static - tuned > spread)).sum())
+        print(f"{start}: DST cut the mean imbalance by {' / '.join(f'{100 * c:.1f}%' for c in cut)} against p = 0 in "
+              f"the same rounds; p = 0 varied by {spread:.3f} between rounds; at least {100 * TARGET_CUT:.0f}% and "
+              f"beyond that spread in {held} of {len(cut)} rounds")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Held-out accuracy of the latency model on the demo model, and how fast online calibration repairs a bad start.
 
 Issue 4's evaluation: profile this machine (quick grid), then time forward+backward of the whole demo model
-(``SparseQwen``: Hugging Face Qwen2, sparse attention capped at the batch's density, chunked loss) on random
+(``SparseCausalLM``: Hugging Face Qwen2, sparse attention capped at the batch's density, chunked loss) on random
 micro-batches of 1-8 documents, 256-8192 tokens, density 0.05-1.0, and compare with ``predict``:
 30 held-out batches give the median and 90th-percentile absolute percentage error; 20 further batches are
 fed to ``observe`` starting from the profiled table with every time doubled and from the analytic prior,

@@ -1,6 +1,6 @@
 """Whole-model forward+backward time with dense against sparse attention, on one packed micro-batch.
 
-Answers "is the model faster with the sparse kernels at this length?": the same SparseQwen (demo preset,
+Answers "is the model faster with the sparse kernels at this length?": the same SparseCausalLM (demo preset,
 a named preset, or a trained model via ``--init``) and the same tokens, dense attention against sparse
 attention at the given budgets (tau, optionally a density cap), variants alternated repetition by
 repetition, medians and ratios to dense printed with the density each budget selected. Random tokens keep
@@ -39,7 +39,7 @@ from variant_spec import parse_variant  # noqa: E402
 from sparsebalance_pl.attention import AttentionConfig  # noqa: E402
 from sparsebalance_pl.datamodules.packing import collate_packed  # noqa: E402
 from sparsebalance_pl.model import ModelConfig  # noqa: E402
-from sparsebalance_pl.module import SparseQwen  # noqa: E402
+from sparsebalance_pl.module import SparseCausalLM  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -70,10 +70,10 @@ def attention_variant(spec: str) -> tuple[str, AttentionConfig]:
         raise SystemExit(f"--attention {spec!r}: {err}") from None
 
 
-def build(args: argparse.Namespace, attention: AttentionConfig) -> SparseQwen:
+def build(args: argparse.Namespace, attention: AttentionConfig) -> SparseCausalLM:
     torch.manual_seed(0)
     model = ModelConfig(pretrained_path=args.init) if args.init else ModelConfig(preset=args.preset)
-    module = SparseQwen(model=model, attention=attention)
+    module = SparseCausalLM(model=model, attention=attention)
     module.configure_model()
     return module.to(device=args.device, dtype=DTYPES[args.dtype])
 
@@ -93,7 +93,7 @@ def main(argv=None) -> None:
     batch = move_data_to_device(batch, args.device)
     cuda = torch.device(args.device).type == "cuda"
 
-    def step(module: SparseQwen) -> float:
+    def step(module: SparseCausalLM) -> float:
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
             seconds = step(module)
             if rep:
                 times[name].append(seconds)
-            density[name] = module.last_context.mean_density()
+            density[name] = module.sparse_attention.micro_batch.mean_density()
     base = statistics.median(times["dense"])
     where = args.init or f"preset {args.preset}"
     print(f"{where}, documents {args.lengths}, {args.dtype} on {args.device}, threads {torch.get_num_threads()}, "

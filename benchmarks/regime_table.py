@@ -221,30 +221,28 @@ def quality_cells(model, streams: list[dict], taus: list[float], block_size: int
 
 
 @torch.no_grad()
-def retrieval_correct(net, samples: list[dict], tau: float | None, block_size: int,
-                      num_layers: int) -> tuple[list[bool], float | None]:
+def retrieval_correct(net, samples: list[dict], tau: float | None, block_size: int) -> tuple[list[bool], float | None]:
     """Whether each sample's answer is predicted with dense (``tau`` None) or sparse attention at ``tau``, all
     samples packed in one stream; and the mean density of the sparse selection there."""
-    from sparsebalance_pl.attention import AttentionConfig, AttentionContext
+    from sparsebalance_pl.attention import AttentionConfig, SparseAttention
     from sparsebalance_pl.datamodules.packing import collate_answers
-    from sparsebalance_pl.kernels.selection import LayerBudget
+    from sparsebalance_pl.model import ModelDims
 
     batch = collate_answers(samples)
     config = AttentionConfig(backend="dense" if tau is None else "sparse", block_size=block_size,
                              tau=1.0 if tau is None else tau, kernel_backend="torch")
-    ctx = AttentionContext(cu_seqlens=batch["cu_seqlens"], config=config,
-                           budgets=[LayerBudget(config.tau)] * num_layers)
-    right = net(batch["input_ids"], batch["position_ids"], batch["targets"], ctx, batch["answer_spans"])
-    return right.tolist(), ctx.mean_density()
+    sparse = SparseAttention(ModelDims.from_hf_config(net.hf.config), config)
+    micro_batch = sparse.begin(batch["cu_seqlens"], training=False)
+    right = net(batch["input_ids"], batch["position_ids"], batch["targets"], sparse, batch["answer_spans"])
+    return right.tolist(), micro_batch.mean_density()
 
 
-def retrieval_cells(net, samples: list[dict], length: int, taus: list[float], block_size: int,
-                    num_layers: int) -> Iterator[dict]:
+def retrieval_cells(net, samples: list[dict], length: int, taus: list[float], block_size: int) -> Iterator[dict]:
     """Accuracy per task at ``length`` for dense attention and each tau, one attention at a time."""
     mine = [s for s in samples if s["length"] == length]
     for tau in [None, *taus]:
         start = time.perf_counter()
-        right, density = retrieval_correct(net, mine, tau, block_size, num_layers)
+        right, density = retrieval_correct(net, mine, tau, block_size)
         row = {"attention": "dense" if tau is None else f"sparse tau {tau}", "tau": tau, "density": density,
                "seconds": time.perf_counter() - start, "tasks": {}}
         for sample, ok in zip(mine, right):
@@ -383,7 +381,7 @@ def main(argv=None) -> None:
             log(f"{length} retrieval: {args.samples} sample(s) per task of {', '.join(args.tasks)}; dense + taus")
             rows = []
             results["retrieval"].append({"length": length, "rows": rows})
-            for row in retrieval_cells(net, samples, length, args.taus, args.block_size, num_layers):
+            for row in retrieval_cells(net, samples, length, args.taus, args.block_size):
                 rows.append(row)
                 log(f"{length} retrieval {row['attention']}: "
                     + ", ".join(f"{t} {_acc(row['tasks'].get(t))}" for t in args.tasks) + f" ({row['seconds']:.0f} s)")

@@ -24,7 +24,7 @@ all streams, with its median over streams beside it.
 A variant is ``name`` or ``name:key=value,key=value`` with keys passed to ``rank_blocks`` (``stride``,
 ``estimate``, ``sink_blocks``, ``local_blocks``, ``recall_probes``, ``per_head_tau``: ``SELECTION_OPTIONS``) or ``max_density``/``tau`` (``tau`` replaces
 the --taus value), or ``late_from``/``late_tau``: layers from ``late_from`` on use ``late_tau`` instead (a
-per-layer ``LayerBudget.tau``, as ``SparseQwen.base_budgets`` can hold; with ``per_head_tau`` it is a per-layer
+per-layer ``LayerBudget.tau``, as ``SparseCausalLM.base_budgets`` can hold; with ``per_head_tau`` it is a per-layer
 recall target). ``base`` is the default selection.
 """
 

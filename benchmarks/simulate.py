@@ -48,8 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from sparsebalance_pl.balance import balance_efficiency  # noqa: E402
-from sparsebalance_pl.callbacks.controller import DSTController  # noqa: E402
-from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel  # noqa: E402
+from sparsebalance_pl.dst import DSTController  # noqa: E402
+from sparsebalance_pl.cost import CostModel, DensityEstimator  # noqa: E402
+from sparsebalance_pl.latency import LatencyModel  # noqa: E402
 from sparsebalance_pl.datamodules.sampler import BatchingConfig, EpochPlan, PaddingItem, SparsityAwareSampler  # noqa: E402
 from sparsebalance_pl.datamodules.synthetic import LengthPrior  # noqa: E402
 from sparsebalance_pl.kernels.selection import LayerBudget  # noqa: E402
@@ -166,7 +167,7 @@ def plan_tokens(plan: EpochPlan, lengths: np.ndarray) -> int:
 
 
 def simulate_cluster(args: argparse.Namespace) -> dict:
-    dims = PRESETS[args.preset]
+    dims = PRESETS[args.preset].dims
 
     def latency_of(attention: str) -> LatencyModel:
         if args.latency:

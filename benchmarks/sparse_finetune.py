@@ -178,7 +178,7 @@ def training_plan(arguments: list[str], steps: int, ranks: int):
 
     cli = cli_main(arguments, run=False)
     data = cli.datamodule
-    data.connect(cli.model.cost_model)
+    data.connect(cli.model.sparse_attention.cost_model)
     data.prepare_data()
     plan = data.train_plan(ranks, 0).plan()
     if len(plan) < steps:

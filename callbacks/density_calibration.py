@@ -11,7 +11,7 @@ class DensityCalibration(Callback):
     the cost model their densities, unless the cost model has seen densities already (a resumed run).
 
     The density estimate's length prior can be far from what a trained model selects, and sparsity-aware
-    batching would balance the wrong costs for a whole epoch. Works with ``SparseQwen`` and
+    batching would balance the wrong costs for a whole epoch. Works with ``SparseCausalLM`` and
     ``LongContextDataModule``: the module's ``calibrate_density`` runs the forwards (shared out among the
     ranks) and the data module's ``calibration_batches`` picks the documents, ``per_bin`` of each half-octave
     of length.
@@ -23,7 +23,7 @@ class DensityCalibration(Callback):
         self.per_bin = per_bin
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        density = pl_module.cost_model.density
+        density = pl_module.sparse_attention.cost_model.density
         if density is None or density.observed:
             return
         batches = trainer.datamodule.calibration_batches(min_length=density.block_size, per_bin=self.per_bin)

@@ -2,14 +2,16 @@
 
 Before each training micro-batch every rank shares its documents' lengths (one all-gather of a few integers),
 and every rank runs the same controller on all of them: it picks the anchor and every rank's budgets, and
-each rank applies its own. After the step the callback logs the predicted and measured balance from what the
-run's ``CostModel`` learned of it (the module calibrates the cost model after its backward, and the controller
-predicts with it; ``callbacks.protocol``). The controller's state is identical on every rank, so the checkpoint
-written by rank 0 resumes every rank. Nothing communicates inside the layers.
+each rank applies its own to the module's ``SparseAttention``. After each backward the run's ``CostModel`` (the
+one the ``SparseAttention`` owns, and the controller predicts with) learns what the step's attention did on every
+rank (``SparseAttention.observe``), and after the step the callback logs the predicted and measured balance. The
+controller's state is identical on every rank, so the checkpoint written by rank 0 resumes every rank. Nothing
+communicates inside the layers.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning as L
@@ -17,27 +19,36 @@ import numpy as np
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
+from sparsebalance_pl.attention import SparseAttention, SparsityTunable
 from sparsebalance_pl.balance import balance_efficiency, imbalance
-from sparsebalance_pl.callbacks.budget import Anchor
-from sparsebalance_pl.callbacks.controller import DSTController, check_settings, confidence
-from sparsebalance_pl.callbacks.protocol import SparsityTunable, missing_members, stream_share
-from sparsebalance_pl.cost import CostModel, StepObservation
+from sparsebalance_pl.cost import StepObservation
 from sparsebalance_pl.distributed import gather_objects
+from sparsebalance_pl.dst import Anchor, DSTController, check_settings, confidence
+from sparsebalance_pl.lazy_exports import MOVED_NAMES_REMOVED_IN
 
 
 class DynamicSparsityTuning(Callback):
     """Moves each rank's sparse-attention budget so its predicted step time approaches a common anchor.
 
-    Works with any LightningModule implementing ``sparsebalance_pl.callbacks.protocol.SparsityTunable`` whose
-    cost model is handed to the callback with ``connect`` (``main.py`` does this for ``SparseQwen``). With
-    ``p=0`` budgets stay at the base (the static baseline) while the logging still runs.
+    Works with any LightningModule whose attention layers attend through a ``SparseAttention`` held as its
+    ``sparse_attention`` (``sparsebalance_pl.attention.SparsityTunable``), predicting with that object's cost
+    model. After every backward the cost model learns from the step (``SparseAttention.observe``, which a module
+    may also call itself: it learns once). With ``p=0`` budgets stay at the base (the static baseline) while the
+    cost model still learns and the logging runs.
+
+    How soon DST acts depends on where its cost model starts: it holds the base budgets while a step's predicted
+    imbalance lies within the cost model's own recent error (``dst/prediction_error``), and moves only part of
+    the way while that error is large (``dst/confidence``). A table profiled for the module on this machine
+    (``SparseAttention.profile``) starts that error at the spread of the profile's own timings, so DST acts from
+    the first step; the analytic FLOP prior starts it at 1.0, and DST then waits until measured steps have brought
+    it down, which on a module the prior fits badly can take longer than a short run.
 
     Args:
         anchor: ``mean`` (default), ``median``, ``min``, ``max`` of the ranks' predicted times at the base
             budget, or ``adaptive`` (``DSTController``); raised to the longest time a rank takes at its sparsest.
         p: largest move of tau away from the base budget, in [0, 1]. The kept tiles scale with the cost model so
             that no rank passes the anchor time: a straggler's scale brings it down to the anchor (no lower than
-            ``min_density``), a fast rank's stops it there (``callbacks.budget``).
+            ``min_density``), a fast rank's stops it there (``sparsebalance_pl.dst.budget``).
         min_density: the lowest density a straggler aims at, in [0, 1].
         recall_tolerance: the adaptive anchor's allowance for predicted loss of mean recall.
 
@@ -60,7 +71,7 @@ class DynamicSparsityTuning(Callback):
     ) -> None:
         check_settings(type(self).__name__, anchor, p, min_density, recall_tolerance)
         self.anchor, self.p, self.min_density, self.recall_tolerance = anchor, p, min_density, recall_tolerance
-        self.cost_model: CostModel | None = None
+        self.sparse_attention: SparseAttention | None = None
         self.controller: DSTController | None = None
         self._restored: dict[str, Any] | None = None
         self._seen: StepObservation | None = None
@@ -72,34 +83,34 @@ class DynamicSparsityTuning(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(anchor=self.anchor, p=self.p)
 
-    def connect(self, cost_model: CostModel) -> None:
-        """The run's cost model: the one the module calibrates after every training micro-batch."""
-        self.cost_model = cost_model
+    def connect(self, cost_model: object) -> None:
+        """Deprecated: the callback predicts with the cost model of the module's ``sparse_attention``."""
+        warnings.warn(
+            f"{type(self).__name__}.connect is no longer needed: it predicts with the cost model of the module's "
+            f"sparse_attention, and ignores this one (connect goes in sparsebalance-pl {MOVED_NAMES_REMOVED_IN})",
+            FutureWarning, stacklevel=2,
+        )
 
     # ------------------------------------------------------------------------------------------ set-up
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Checked here, after the module's own ``setup``, so a module may build its members there."""
-        name = type(self).__name__
-        missing = missing_members(pl_module)
-        if missing:
+        sparse = getattr(pl_module, "sparse_attention", None)
+        if not isinstance(sparse, SparseAttention):
             raise TypeError(
-                f"{name} needs a LightningModule implementing SparsityTunable "
-                f"(sparsebalance_pl.callbacks.protocol); {type(pl_module).__name__} lacks {', '.join(missing)}"
+                f"{type(self).__name__} needs a LightningModule whose attention layers attend through a "
+                f"SparseAttention held as its sparse_attention (sparsebalance_pl.attention.SparsityTunable); "
+                f"{type(pl_module).__name__} has none"
             )
-        if self.cost_model is None:
-            raise RuntimeError(
-                f"{name} has no cost model: call connect(cost_model) with the CostModel your module calibrates "
-                "before fit (main.py does this)"
-            )
+        self.sparse_attention = sparse
         self.controller = DSTController(
-            self.cost_model, pl_module.base_budgets, anchor=self.anchor, p=self.p, min_density=self.min_density,
-            recall_tolerance=self.recall_tolerance, name=name,
+            sparse.cost_model, sparse.base_budgets, anchor=self.anchor, p=self.p, min_density=self.min_density,
+            recall_tolerance=self.recall_tolerance, name=type(self).__name__,
         )
         state, self._restored = self._restored, None
         if state:
             budgets = self.controller.load_state_dict(state)
             if len(budgets) == trainer.world_size:
-                pl_module.layer_budgets = budgets[trainer.global_rank]
+                sparse.budgets = budgets[trainer.global_rank]
             elif budgets:
                 rank_zero_warn(f"DST state is from {len(budgets)} ranks, this run has {trainer.world_size}: "
                                "budgets restart from the base")
@@ -109,14 +120,15 @@ class DynamicSparsityTuning(Callback):
 
     # ----------------------------------------------------------------------------------- before a step
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: SparsityTunable, batch: Any, batch_idx: int) -> None:
-        share = stream_share(pl_module, batch)
-        gathered = gather_objects(([int(n) for n in pl_module.document_lengths(batch)], share))
+        sparse = self.sparse_attention
+        gathered = gather_objects(([int(n) for n in sparse.document_lengths(batch)], sparse.stream_share(batch)))
         decision = self.controller.plan([ls for ls, _ in gathered], [x for _, x in gathered])
-        pl_module.layer_budgets = decision.ranks[trainer.global_rank].budgets
+        sparse.budgets = decision.ranks[trainer.global_rank].budgets
+        cost_model = sparse.cost_model
         logs = {
             "dst/anchor_s": decision.anchor,
-            "dst/prediction_error": self.cost_model.error,
-            "dst/confidence": confidence(self.cost_model.error),
+            "dst/prediction_error": cost_model.error,
+            "dst/confidence": confidence(cost_model.error),
             "dst/predicted_imbalance_base": imbalance(decision.predicted_base),
             "dst/predicted_imbalance": imbalance(decision.predicted),
         }
@@ -124,7 +136,7 @@ class DynamicSparsityTuning(Callback):
             logs["dst/anchor_drift"] = decision.anchor_drift
         if self.controller.anchor == "adaptive":
             slowest_rank = int(np.argmax(decision.predicted_base))
-            cut, raised = self.cost_model.recall_prices.prices(gathered[slowest_rank][0])
+            cut, raised = cost_model.recall_prices.prices(gathered[slowest_rank][0])
             logs.update({"dst/recall_per_density_cut": cut, "dst/recall_per_density_raised": raised})
         fastest, slowest = min(decision.predicted_base), max(decision.predicted_base)
         if slowest > fastest:
@@ -134,17 +146,20 @@ class DynamicSparsityTuning(Callback):
         _log(pl_module, logs)
 
     # ------------------------------------------------------------------------------------ after a step
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.sparse_attention.observe()
+
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        observation = self.cost_model.last_step
+        cost_model = self.sparse_attention.cost_model
+        observation = cost_model.last_step
         if observation is None or observation is self._seen:
             if not self._warned_uncalibrated:
                 self._warned_uncalibrated = True
                 rank_zero_warn(
-                    "DynamicSparsityTuning: the cost model learned nothing from this step, so DST predicts from an "
-                    "uncalibrated model; the module must call observe_step(cost_model, ...) after each backward "
-                    "(sparsebalance_pl.callbacks.protocol)"
+                    "DynamicSparsityTuning: no attention layer called sparse_attention.attend in this step, so the "
+                    "cost model learned nothing from it and DST predicts from an uncalibrated model"
                 )
             return
         self._seen = observation
@@ -159,7 +174,7 @@ class DynamicSparsityTuning(Callback):
                 f"dst/rank{rank}/density_scale": 1.0 if first.density_scale is None else first.density_scale,
                 f"dst/rank{rank}/density": report.mean_density,
                 f"dst/rank{rank}/estimated_recall": report.mean_estimated_recall,
-                f"dst/rank{rank}/speed": self.cost_model.speed(rank),
+                f"dst/rank{rank}/speed": cost_model.speed(rank),
             })
             if report.recall is not None:
                 logs[f"dst/rank{rank}/recall"] = report.recall

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from sparsebalance_pl.datamodules.sampler import PlannedBatchSampler
+from sparsebalance_pl.datamodules import PlannedBatchSampler
 
 
 class BatchPlanMonitor(Callback):

@@ -9,13 +9,20 @@ imports anyway.
 from sparsebalance_pl.datamodules.partition import CapacityError, karmarkar_karp, partition
 from sparsebalance_pl.datamodules.planner import GlobalBatch, PlannerConfig, Segment, plan_epoch
 from sparsebalance_pl.datamodules.packing import collate_packed, stripe_packed
-from sparsebalance_pl.datamodules.sampler import BatchingConfig, PaddingItem, SharedStream, SparsityAwareSampler
+from sparsebalance_pl.datamodules.sampler import (
+    BatchingConfig,
+    PaddingItem,
+    PlannedBatchSampler,
+    SharedStream,
+    SparsityAwareSampler,
+)
 from sparsebalance_pl.lazy_exports import lazy_exports
 
 _LAZY = dict.fromkeys(("CorpusConfig", "EvaluationConfig", "LongContextDataModule", "PlanItems"), ".datamodule")
 
 __all__ = sorted([
-    "BatchingConfig", "CapacityError", "GlobalBatch", "PaddingItem", "PlannerConfig", "Segment", "SharedStream",
-    "SparsityAwareSampler", "collate_packed", "karmarkar_karp", "partition", "plan_epoch", "stripe_packed", *_LAZY,
+    "BatchingConfig", "CapacityError", "GlobalBatch", "PaddingItem", "PlannedBatchSampler", "PlannerConfig", "Segment",
+    "SharedStream", "SparsityAwareSampler", "collate_packed", "karmarkar_karp", "partition", "plan_epoch",
+    "stripe_packed", *_LAZY,
 ])
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

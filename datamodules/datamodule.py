@@ -356,7 +356,7 @@ class LongContextDataModule(L.LightningDataModule):
     def calibration_batches(self, min_length: int = 1, per_bin: int = 2) -> list[dict]:
         """Packed micro-batches of training documents across the length range, identical on every rank: up to
         ``per_bin`` documents of each half-octave of length from ``min_length`` up, for the model to measure
-        its attention density by length before the first epoch is planned (``SparseQwen.calibrate_density``).
+        its attention density by length before the first epoch is planned (``SparseCausalLM.calibrate_density``).
         Only documents one rank holds (``max_tokens``): each rank runs its batches whole, also under context
         parallelism; longer ones keep the estimator's prior until training measures them."""
         lengths = self.lengths("train")

@@ -12,4 +12,4 @@ _repo_root = _Path(__file__).resolve().parent.parent
 if (_repo_root / "pyproject.toml").is_file() and (_repo_root / "kernels").is_dir():
     __path__.append(str(_repo_root))  # noqa: F821 - __path__ is defined for packages
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+__all__ = ["balance_efficiency", "imbalance"]
+
 ArrayLike = Iterable[float] | np.ndarray
 
 

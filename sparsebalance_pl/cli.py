@@ -10,7 +10,8 @@ the errors of ours that only the ranks can find, damaged data or checkpoints (``
 
 ``fit``, ``validate`` and ``test`` run the Trainer; under SLURM, ``fit`` checkpoints and requeues the job on
 SLURM's warning signal (``SlurmRequeue``). ``profile`` (this device's latency table), ``export`` (a checkpoint
-as a Hugging Face directory) and ``convert`` (a GGUF model as a Hugging Face Qwen2 directory) are the functions
+as a Hugging Face directory) and ``convert`` (a GGUF model as a Hugging Face directory of its own family) are the
+functions
 of ``COMMANDS``, whose signatures give their settings.
 """
 
@@ -30,7 +31,6 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from sparsebalance_pl.callbacks import DynamicSparsityTuning
 from sparsebalance_pl.cost.profiler import profile_hardware, training_dtype
 from sparsebalance_pl.context_parallel import context_parallel_groups
 from sparsebalance_pl.convert import convert
@@ -38,7 +38,7 @@ from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
 from sparsebalance_pl.distributed import leave_process_group
 from sparsebalance_pl.errors import ConfigError, DataError, TrainingError
 from sparsebalance_pl.export import export_checkpoint
-from sparsebalance_pl.module import SparseQwen
+from sparsebalance_pl.module import SparseCausalLM
 from sparsebalance_pl.preflight import check_accelerator, check_ckpt_path, picked_by_lightning
 from sparsebalance_pl.slurm import SlurmRequeue
 from sparsebalance_pl.strategy import FSDP2Strategy
@@ -134,12 +134,9 @@ class SparseBalanceCLI(LightningCLI):
             )
 
     def _connect(self) -> None:
-        """Hand the module's cost model to the data module and the DST callbacks: one object, one owner."""
-        cost_model = self.model.cost_model
-        self.datamodule.connect(cost_model)
-        for callback in self.trainer.callbacks:
-            if isinstance(callback, DynamicSparsityTuning):
-                callback.connect(cost_model)
+        """Hand the cost model of the module's sparse attention to the data module: one object, one owner (DST
+        reads it from the module)."""
+        self.datamodule.connect(self.model.sparse_attention.cost_model)
 
     def before_fit(self) -> None:
         self._check_model_and_data()
@@ -162,7 +159,7 @@ class SparseBalanceCLI(LightningCLI):
 
 
 def profile(
-    model: SparseQwen,
+    model: SparseCausalLM,
     data: LongContextDataModule,
     trainer: Namespace,
     output: str | None = None,
@@ -180,13 +177,14 @@ def profile(
     if output is None:
         raise ConfigError("main.py profile needs --output or model.latency_table in the configuration")
     device = device or _device_of(trainer.accelerator)
+    attention = model.sparse_attention.config
     profile_hardware(
-        model.dims,
+        model.model_config.hf_config(),
         device=device,
         dtype=training_dtype(trainer.precision, device),
-        block_size=model.attention_config.block_size,
-        stride=model.attention_config.stride,
-        selection=model.attention_config.selection_options(),
+        block_size=attention.block_size,
+        stride=attention.stride,
+        selection=attention.selection_options(),
         quick=not full,
         max_length=data.batching.max_tokens,
         output=output,
@@ -229,7 +227,7 @@ def main(args: list[str] | None = None, run: bool = True) -> SparseBalanceCLI | 
     subcommand in ``args`` then)."""
     try:
         cli = SparseBalanceCLI(
-            SparseQwen,
+            SparseCausalLM,
             LongContextDataModule,
             trainer_defaults={"use_distributed_sampler": False},
             save_config_kwargs={"overwrite": True},

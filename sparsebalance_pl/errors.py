@@ -1,5 +1,7 @@
 """Errors that end a run with one clear message instead of a traceback (see ``cli.main``)."""
 
+__all__ = ["ConfigError", "DataError", "TrainingError"]
+
 
 class ConfigError(ValueError):
     """A setting has a value that cannot work; the message names the setting and what is allowed."""

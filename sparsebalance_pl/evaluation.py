@@ -79,7 +79,7 @@ def qa_scores(prediction: str, references: Sequence[str]) -> tuple[float, float]
 
 
 class Scorer(Protocol):
-    """The model operations an evaluation needs (``SparseQwen`` implements them)."""
+    """The model operations an evaluation needs (``SparseCausalLM`` implements them)."""
 
     device: torch.device
 

@@ -1,9 +1,10 @@
 """Turn a training checkpoint into a local Hugging Face model directory (config.json plus safetensors).
 
 Training saves either one file or, under FSDP2, a distributed-checkpoint folder; both hold the module's
-hyperparameters and the weights under ``net.hf.``. The exported directory is what ``model.pretrained_path``
-reads, so a trained model can seed new runs (the benchmarks start every variant from one) or be loaded by
-transformers directly (its attention implementation is set to ``sdpa``).
+hyperparameters, the model's Hugging Face configuration and the weights under ``net.hf.``. The exported directory
+is what ``model.pretrained_path`` reads, so a trained model can seed new runs (the benchmarks start every variant
+from one) or be loaded by transformers directly, as the family it is (its attention implementation is set to
+``sdpa``).
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ import zipfile
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from sparsebalance_pl import checkpoints
 from sparsebalance_pl.errors import ConfigError, DataError
-from transformers import Qwen2ForCausalLM
-
-from sparsebalance_pl.model import ModelConfig, ModelDims
+from sparsebalance_pl.model import ModelConfig, ModelDims, build_model
 
 _WEIGHTS = "net.hf."
 
@@ -55,7 +55,8 @@ def read_checkpoint(ckpt_path: str | Path) -> tuple[dict, dict[str, torch.Tensor
     else:
         raise ConfigError(f"checkpoint {path} does not exist")
     if not isinstance(meta, dict) or not weights or "hyper_parameters" not in meta:
-        raise ConfigError(f"{path} holds no SparseQwen weights and hyperparameters (is it a SparseQwen checkpoint?)")
+        raise ConfigError(f"{path} holds no SparseCausalLM weights and hyperparameters (is it a SparseCausalLM "
+                          "checkpoint?)")
     return meta, weights
 
 
@@ -72,8 +73,10 @@ def _verify(path: Path) -> None:
 def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path) -> Path:
     """Writes the checkpoint's model as a Hugging Face directory; returns the directory."""
     meta, weights = read_checkpoint(ckpt_path)
-    if "model_dims" in meta:  # needs nothing but the checkpoint
-        model = Qwen2ForCausalLM(ModelDims(**meta["model_dims"]).to_hf_config("sdpa"))
+    if "hf_config" in meta:  # needs nothing but the checkpoint
+        model = build_model(AutoConfig.for_model(**meta["hf_config"]), "sdpa")
+    elif "model_dims" in meta:  # a checkpoint from when every model was a Qwen2 saved with its dimensions
+        model = build_model(ModelDims(**meta["model_dims"]).to_hf_config("qwen2"), "sdpa")
     else:  # a checkpoint from before the dimensions were saved: rebuild from the run's model settings
         model_cfg = meta["hyper_parameters"]["model"]
         if not isinstance(model_cfg, ModelConfig):

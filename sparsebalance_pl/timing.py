@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+__all__ = ["AttentionTimer"]
+
 
 class AttentionTimer:
     """Seconds spent in the attention calls of one micro-batch, forward and backward, free of collectives.

@@ -4,7 +4,8 @@ A latency table measured beside another job is too slow (the demo model's quick 
 through most of it on a 2-core machine, predicted 2.1-2.4x the quiet profiles' times for three micro-batches)
 and is cached for every later run. Timing repeats cannot
 tell: steady contention slows every sweep alike. The kernel's CPU counters can: the busy time of this
-process's CPUs (including time the hypervisor took) minus this process's own CPU time is what others used.
+process's CPUs (including time the hypervisor took) minus this process's own CPU time (and, for a benchmark that
+runs its variants as subprocesses, theirs) is what others used.
 Linux only (``/proc/stat``); elsewhere nothing is measured.
 """
 
@@ -44,16 +45,23 @@ class CpuContention:
 
 
 @contextmanager
-def measure_contention(cores_used: int) -> Iterator[CpuContention]:
+def measure_contention(cores_used: int, own_children: bool = False) -> Iterator[CpuContention]:
     """Measures other work on this process's CPUs while the block runs, which keeps ``cores_used`` of them
-    busy (torch's threads on a CPU, about one core driving a GPU)."""
+    busy (torch's threads on a CPU, about one core driving a GPU); with ``own_children`` the CPU time of the
+    subprocesses the block runs and waits for is the block's own work."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     result = CpuContention(spare_cores=max(len(cpus) - cores_used, 0))
-    busy, own, wall = _busy_seconds(cpus), time.process_time(), time.perf_counter()
+    busy, own, wall = _busy_seconds(cpus), _own_seconds(own_children), time.perf_counter()
     yield result
-    busy_after, own_after, wall_after = _busy_seconds(cpus), time.process_time(), time.perf_counter()
+    busy_after, own_after, wall_after = _busy_seconds(cpus), _own_seconds(own_children), time.perf_counter()
     if busy is not None and busy_after is not None and wall_after > wall:
         result.other_cores = max((busy_after - busy) - (own_after - own), 0.0) / (wall_after - wall)
+
+
+def _own_seconds(children: bool) -> float:
+    """CPU seconds of this process, and with ``children`` of its children that ended and were waited for."""
+    times = os.times()
+    return time.process_time() + (times.children_user + times.children_system if children else 0.0)
 
 
 def _busy_seconds(cpus: list[int]) -> float | None:

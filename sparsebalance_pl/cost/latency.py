@@ -45,6 +45,9 @@ _SCALARS = ("token_layer", "token_head", "layer_overhead", "model_overhead")
 COST_DIMS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
 
 ArrayLike = Sequence[float] | np.ndarray | float
+#: The typical |log(measured / predicted)| of a latency model before any step was measured, where its table does not
+#: record its own (the analytic prior was off by a median 60% and up to 10x on modules it was not made for).
+UNCALIBRATED_ERROR = 1.0
 
 
 class LatencyTableError(DataError):
@@ -316,6 +319,14 @@ class LatencyModel:
         self._log_selection = np.log(table.selection)
 
     # ----------------------------------------------------------------------------------------- prediction
+    @property
+    def prior_error(self) -> float:
+        """The typical |log(measured / predicted)| to expect before any step was measured: for a table profiled on
+        this machine for this model, how far its own repeated timings strayed from each other (``timing_spread``
+        in its notes); otherwise ``UNCALIBRATED_ERROR``."""
+        spread = self.table.meta.notes.get("timing_spread")
+        return float(spread) if self.table.meta.source == "profile" and spread is not None else UNCALIBRATED_ERROR
+
     @property
     def min_density(self) -> float:
         return float(self.table.densities[0])

@@ -33,22 +33,20 @@ import numpy as np
 
 from sparsebalance_pl.balance import imbalance
 from sparsebalance_pl.cost.density import DensityEstimator
-from sparsebalance_pl.cost.latency import TERMS, LatencyModel
+from sparsebalance_pl.cost.latency import TERMS, UNCALIBRATED_ERROR, LatencyModel
 from sparsebalance_pl.cost.recall import RecallPrices
 from sparsebalance_pl.cost.ring import RingCost
 from sparsebalance_pl.distributed import gather_objects
 
 log = logging.getLogger(__name__)
 
-#: The latency-model terms that ``SparsityReport.attention_seconds`` covers: block selection + attention core.
+#: The latency-model terms that ``SparsityReport.attention_seconds`` covers: block selection + attention core
+#: (what ``SparseAttention`` times); the others are learned only from whole forward and backward passes.
 TIMED_TERMS = ("attention", "selection")
 _TIMED = np.array([name in TIMED_TERMS for name in TERMS], dtype=np.float64)
 #: The terms attention timing leaves out (projections, MLP, head, fixed costs): learned only where a rank's whole
 #: forward and backward is timed free of collectives (``observe``'s ``whole_seconds``).
 UNTIMED_TERMS = tuple(name for name in TERMS if name not in TIMED_TERMS)
-#: ``CostModel.error`` before any step was measured: predictions may be off by a factor e (the analytic prior
-#: was off by a median 60% and up to 10x on modules it was not made for).
-UNCALIBRATED_ERROR = 1.0
 #: One step changes no rank's prediction of a timed term (the term's calibrated scale times the rank's speed) by
 #: more than this factor: a prior that is far off converges over a few steps instead of swinging every
 #: prediction (and DST's anchor) at once.
@@ -140,13 +138,14 @@ class StepRecord:
 @dataclass(frozen=True)
 class StepObservation:
     """One step as ``CostModel.observe`` saw it: every rank's record (rank order), the timed seconds the model
-    predicted for each rank before it learned from them, beside the measured ones, and each rank's whole
-    forward and backward where it was timed (``observe``'s ``whole_seconds``; None otherwise): all a replay
-    of the step into another cost model needs."""
+    predicted for each rank before it learned from them (of which ``ring_predicted`` the ring's waits), beside the
+    measured ones, and each rank's whole forward and backward where it was timed (``observe``'s
+    ``whole_seconds``; None otherwise): all a replay of the step into another cost model needs."""
 
     records: list[StepRecord]
     predicted: np.ndarray
     measured: np.ndarray
+    ring_predicted: np.ndarray
     whole_seconds: list[float] | None = None
 
     @property
@@ -195,18 +194,29 @@ class CostModel:
             raise ValueError(f"speed_smoothing={speed_smoothing} must lie in (0, 1]")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
-        self.latency = latency
         self.density = density
         self.ring = RingCost.for_model(latency.table.meta.dims, latency.table.meta.dtype)
         self.recall_prices = RecallPrices()
         self.speed_smoothing = speed_smoothing
         self.warmup_left = warmup_steps  # per process: not checkpointed, a resumed process warms up again
         self.log_speeds = np.zeros(0)
-        self.error = UNCALIBRATED_ERROR
         self.steps_observed = 0
+        self.latency = latency
         self.step_overhead = 0.0
         self.overheads_observed = 0
         self.last_step: StepObservation | None = None
+
+    @property
+    def latency(self) -> LatencyModel:
+        return self._latency
+
+    @latency.setter
+    def latency(self, model: LatencyModel) -> None:
+        """A new latency model (a profiled table in place of the prior); before any step was measured, ``error``
+        starts from what the model expects of itself (``LatencyModel.prior_error``)."""
+        self._latency = model
+        if self.steps_observed == 0:
+            self.error = model.prior_error
 
     # ------------------------------------------------------------------------------------------ predicting
     def document_density(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -216,7 +226,8 @@ class CostModel:
 
     def document_costs(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
         """Predicted seconds each document adds to a micro-batch at its estimated density: what sparsity-aware
-        batching balances."""
+        batching balances. The same on every rank (every rank's cost model learned the same records), so a plan
+        each rank computes alone from them is the same plan."""
         lengths = np.asarray(lengths, dtype=np.float64)
         return self.latency.doc_costs(lengths, self.document_density(lengths))
 
@@ -303,7 +314,7 @@ class CostModel:
         if valid.all():
             self._observe_ring(records)
         whole = None if whole_seconds is None else [float(x) for x in whole_seconds]
-        self.last_step = StepObservation(records, predicted, measured, whole)
+        self.last_step = StepObservation(records, predicted, measured, ring, whole)
         return self.last_step
 
     def replay(self, step: Mapping[str, Any]) -> StepObservation:

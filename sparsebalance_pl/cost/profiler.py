@@ -9,9 +9,9 @@ said otherwise:
 - selection: ``select_blocks`` on one document of each length (forward only, it is not differentiable),
   and once on a stream of several documents, to tell whether its cost follows the stream or the documents;
   attention once on a stream of several short documents too, for the fixed cost of a call (per layer);
-- the rest of a layer: a ``Qwen2DecoderLayer`` whose attention core is a no-op, at a few token counts
-  (slope: seconds per token; intercept: fixed seconds per layer);
-- embedding, final norm, LM head and chunked loss, at the same token counts;
+- the rest of a layer: a one-layer model of the same family whose attention core is a no-op, at a few token
+  counts (slope: seconds per token; intercept: fixed seconds per layer);
+- embedding, LM head and chunked loss, at the same token counts;
 - the whole model (``ModelStep``) on a few packed micro-batches of random documents and densities: the
   parts timed alone miss what joins them (layer glue, memory traffic between kernels), so the table's
   terms are scaled to fit these steps (``LatencyModel.fit_scales``) before it is saved.
@@ -26,6 +26,7 @@ warned about whenever it is used.
 
 from __future__ import annotations
 
+import copy
 import logging
 import platform
 import time
@@ -38,15 +39,14 @@ from typing import Literal
 import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-from transformers import AttentionInterface
-from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
+from transformers import AttentionInterface, PretrainedConfig
 
 from sparsebalance_pl.cost.contention import CpuContention, measure_contention
 from sparsebalance_pl.cost.latency import TERMS, LatencyModel, LatencyTable, TableMeta, cost_dims
 from sparsebalance_pl.loss import chunked_cross_entropy_sum
-from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, AttentionContext
+from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, SparseAttention
 from sparsebalance_pl.kernels.selection import LayerBudget, selection_options
-from sparsebalance_pl.model import ModelConfig, ModelDims, PackedCausalLM
+from sparsebalance_pl.model import ModelDims, PackedCausalLM, build_model
 from sparsebalance_pl.progress import LoggedProgress
 
 log = logging.getLogger(__name__)
@@ -263,45 +263,43 @@ class _KernelBench:
                                      **self.options)
 
 
-class _QwenBench(_KernelBench):
-    """The kernels' workloads, and the rest of a Qwen2 layer and the head on inputs of the model's shapes."""
+class _ModelBench(_KernelBench):
+    """The kernels' workloads, and the rest of a layer and the head of a model of ``config``'s family, on inputs
+    of its shapes."""
 
-    def __init__(self, dims: ModelDims, device: torch.device, dtype: torch.dtype, block_size: int, stride: int,
-                 selection: dict | None = None):
+    def __init__(self, config: PretrainedConfig, device: torch.device, dtype: torch.dtype, block_size: int,
+                 stride: int, selection: dict | None = None):
+        dims = ModelDims.from_hf_config(config)
         super().__init__(dims, device, dtype, block_size, stride, selection)
         self.dims = dims
-        config = dims.to_hf_config(NOOP_ATTENTION)
-        self.layer = Qwen2DecoderLayer(config, layer_idx=0).to(device, dtype)
-        self.rope = Qwen2RotaryEmbedding(config).to(device)
-        self.embedding = torch.nn.Embedding(dims.vocab_size, dims.hidden_size).to(device, dtype)
-        self.norm = Qwen2RMSNorm(dims.hidden_size, eps=dims.rms_norm_eps).to(device, dtype)
-        self.head_weight = (
-            self.embedding.weight
-            if dims.tie_word_embeddings
-            else torch.nn.Parameter(torch.randn_like(self.embedding.weight) * 0.02)
-        )
+        one_layer = copy.deepcopy(config)
+        one_layer.num_hidden_layers = 1
+        if getattr(one_layer, "layer_types", None):
+            one_layer.layer_types = one_layer.layer_types[:1]
+        self.model = build_model(one_layer, NOOP_ATTENTION, device).to(dtype)
 
     def layer_rest(self, tokens: int) -> Callable[[], None]:
+        """One decoder layer (and the final norm) with a no-op attention core."""
         x = torch.randn(1, tokens, self.dims.hidden_size, device=self.device, dtype=self.dtype, requires_grad=True)
         positions = torch.arange(tokens, device=self.device)[None]
+        decoder = self.model.get_decoder()
 
         def run() -> None:
-            out = self.layer(x, position_embeddings=self.rope(x, positions), position_ids=positions)
-            (out[0] if isinstance(out, tuple) else out).sum().backward()
-            self.layer.zero_grad(set_to_none=True)
+            decoder(inputs_embeds=x, position_ids=positions, use_cache=False).last_hidden_state.sum().backward()
+            decoder.zero_grad(set_to_none=True)
             x.grad = None
 
         return run
 
     def head(self, tokens: int) -> Callable[[], None]:
+        """The embedding, and the LM head with the chunked loss."""
         ids = torch.randint(0, self.dims.vocab_size, (tokens,), device=self.device)
+        embedding, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
 
         def run() -> None:
-            hidden = self.norm(self.embedding(ids))
-            loss, _ = chunked_cross_entropy_sum(hidden, self.head_weight, ids)
+            loss, _ = chunked_cross_entropy_sum(embedding(ids), head.weight, ids)
             loss.backward()
-            self.embedding.zero_grad(set_to_none=True)
-            self.norm.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
 
         return run
 
@@ -310,35 +308,38 @@ class ModelStep:
     """Forward+backward of the whole model as training runs it (``PackedCausalLM``: sparse attention at tau 1
     with the density capped, chunked loss) on packed micro-batches of random tokens."""
 
-    def __init__(self, dims: ModelDims, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 block_size: int = 64, stride: int = 16, selection: dict | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, block_size: int = 64, stride: int = 16,
+                 selection: dict | None = None) -> None:
         self.device = torch.device(device)
-        hf_model = ModelConfig(overrides=dims.as_dict()).build(ATTN_IMPLEMENTATION)
-        self.net = PackedCausalLM(hf_model, loss_chunk_tokens=4096).to(self.device, dtype)
-        self.attention = AttentionConfig(backend="sparse", block_size=block_size, stride=stride, tau=1.0,
-                                         **(selection or {}))
-        self.num_layers, self.vocab_size = dims.num_layers, dims.vocab_size
+        self.net = PackedCausalLM(build_model(config, ATTN_IMPLEMENTATION), loss_chunk_tokens=4096).to(self.device,
+                                                                                                       dtype)
+        attention = AttentionConfig(backend="sparse", block_size=block_size, stride=stride, tau=1.0,
+                                    **(selection or {}))
+        self.dims = ModelDims.from_hf_config(config)
+        self.sparse_attention = SparseAttention(self.dims, attention)
 
     def workload(self, lengths: list[int], density: float) -> Callable[[], None]:
         """A call that runs one step on ``lengths`` documents with at most ``density`` of each one's blocks."""
         total = sum(lengths)
         cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=self.device)
-        ids = torch.randint(0, self.vocab_size, (1, total), device=self.device)
+        ids = torch.randint(0, self.dims.vocab_size, (1, total), device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])[None]
         targets = torch.cat([ids[0, 1:], ids.new_full((1,), -100)])[None]
         targets[0, cu[1:] - 1] = -100
-        budgets = [LayerBudget(1.0, None if density >= 1 else density)] * self.num_layers
+        budgets = [LayerBudget(1.0, None if density >= 1 else density)] * self.dims.num_layers
 
         def run() -> None:
-            ctx = AttentionContext(cu_seqlens=cu, config=self.attention, budgets=budgets)
-            self.net(ids, positions, targets, ctx)[0].backward()
+            self.sparse_attention.budgets = budgets
+            self.sparse_attention.begin(cu, training=True)
+            self.net(ids, positions, targets, self.sparse_attention)[0].backward()
             self.net.zero_grad(set_to_none=True)
 
         return run
 
 
 def profile_hardware(
-    dims: ModelDims,
+    config: PretrainedConfig,
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -353,8 +354,8 @@ def profile_hardware(
     clock: Clock = "wall",
     selection: dict | None = None,
 ) -> LatencyModel:
-    """Profile this device for a Qwen2 model of ``dims`` and return the fitted ``LatencyModel`` (saved to
-    ``output``).
+    """Profile this device for a model of ``config`` (its Hugging Face configuration, any supported family) and
+    return the fitted ``LatencyModel`` (saved to ``output``).
 
     ``grid`` overrides the quick (``quick=True``) or full grid up to ``max_length`` tokens per document;
     ``clock`` as in the module docstring; ``selection``: the selection options training uses
@@ -369,21 +370,21 @@ def profile_hardware(
     step_batches = grid.model_step_batches(seed)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        bench = _QwenBench(dims, device, dtype, block_size, stride, selection)
+        bench = _ModelBench(config, device, dtype, block_size, stride, selection)
         kernels = dict(device=device, dtype=dtype, block_size=block_size, stride=stride, selection=selection)
-        whole = ModelStep(dims, **kernels) if grid.model_steps else None
+        whole = ModelStep(config, **kernels) if grid.model_steps else None
         workloads = {
             "layer": lambda n, _: bench.layer_rest(n),
             "head": lambda n, _: bench.head(n),
             "model": lambda i, _: whole.workload(*step_batches[i]),
         }
         with measure_contention(_cores_used(device)) as contention:
-            times = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
+            times, spread = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
     counts = np.asarray(grid.token_counts, dtype=np.float64)
     token_layer, layer_overhead = _line([times[("layer", n, None)] for n in grid.token_counts], counts)
     token_head, model_overhead = _line([times[("head", n, None)] for n in grid.token_counts], counts)
     table = _table(times, grid, bench, scope_tokens, clock, (token_layer, token_head, layer_overhead, model_overhead),
-                   contention.as_notes())
+                   {"timing_spread": spread, **contention.as_notes()})
     steps = [(lengths, density, times[("model", i, None)]) for i, (lengths, density) in enumerate(step_batches)]
     steps = [step for step in steps if np.isfinite(step[2])]
     model = LatencyModel(_fitted_to_steps(table, steps) if steps else table)
@@ -430,14 +431,14 @@ def profile_module(
         bench = _KernelBench(dims, device, dtype, block_size, stride, selection)
         workloads = {"step": lambda n, _: lambda: step([short] * max(n // short, 1))}
         with measure_contention(_cores_used(device)) as contention:
-            times = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
+            times, spread = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
     kernels_only = LatencyModel(_table(times, grid, bench, scope_tokens, clock, (0.0, 0.0, 0.0, 0.0), {}))
     layers = kernels_only.num_layers
     streams = [[short] * max(n // short, 1) for n in grid.token_counts]
     rest = [times[("step", n, None)] - kernels_only.predict(ls, 1.0) for n, ls in zip(grid.token_counts, streams)]
     per_token, fixed = _line(rest, np.array([sum(lengths) for lengths in streams], dtype=np.float64))
     model = LatencyModel(_table(times, grid, bench, scope_tokens, clock, (per_token / layers, 0.0, fixed / layers, 0.0),
-                                {"token_costs": "module steps", **contention.as_notes()}))
+                                {"token_costs": "module steps", "timing_spread": spread, **contention.as_notes()}))
     if output is not None:
         model.save(output)
     warn_if_busy(model, output or "just profiled")
@@ -484,13 +485,15 @@ def _measure(
     clock: Clock,
     progress: bool,
     seed: int,
-) -> dict[tuple, float]:
-    """Each cell's fastest time over ``grid.passes`` sweeps in different orders, with a progress bar. Kernel
-    cells are timed on ``bench``, the others by ``workloads[part](n, extra)``. A whole-model step that runs out
-    of memory is timed as infinite (training may fit only with activation checkpointing)."""
+) -> tuple[dict[tuple, float], float | None]:
+    """Each cell's fastest time over ``grid.passes`` sweeps in different orders, with a progress bar, and how far
+    a cell's sweeps strayed from each other (the median over cells of |log(slowest / fastest)|; None with one
+    sweep): how far a measured time can be from the table's for no other reason. Kernel cells are timed on
+    ``bench``, the others by ``workloads[part](n, extra)``. A whole-model step that runs out of memory is timed as
+    infinite (training may fit only with activation checkpointing)."""
     shuffle = np.random.default_rng([seed, 3])
     sweeps = [cells] + [[cells[i] for i in shuffle.permutation(len(cells))] for _ in range(grid.passes - 1)]
-    times: dict[tuple, float] = {}
+    samples: dict[tuple, list[float]] = {}
     columns = (TextColumn("profiling {task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with LoggedProgress(*columns, disable=not progress, transient=False) as bar:
         task = bar.add_task("", total=len(cells) * grid.passes)
@@ -511,9 +514,10 @@ def _measure(
                     raise
                 log.warning("whole-model step %d ran out of memory; left out of the fit", n)
                 seconds = np.inf
-            times[cell] = min(times.get(cell, np.inf), seconds)
+            samples.setdefault(cell, []).append(seconds)
             bar.advance(task)
-    return times
+    spreads = [np.log(max(t) / min(t)) for t in samples.values() if len(t) > 1 and np.isfinite(t).all()]
+    return {cell: min(t) for cell, t in samples.items()}, float(np.median(spreads)) if spreads else None
 
 
 def _table(
@@ -589,7 +593,7 @@ def _line(seconds: list[float], counts: np.ndarray) -> tuple[float, float]:
 
 def latency_model_for_run(
     path: str | Path,
-    dims: ModelDims,
+    config: PretrainedConfig,
     *,
     device: torch.device | str,
     dtype: torch.dtype = torch.float32,
@@ -610,6 +614,7 @@ def latency_model_for_run(
     """
     device = torch.device(device)
     here = device_name(device)
+    dims = ModelDims.from_hf_config(config)
     model = LatencyModel.load_or_none(path, dims, block_size=block_size, stride=stride, selection=selection or {})
     unfit = None if model is None else _unfit(model, here, _name(dtype), max_length)
     if model is not None and (unfit is None or not profile):
@@ -621,7 +626,7 @@ def latency_model_for_run(
         log.warning("%sprofiling the latency table for %s into %s (quick grid)",
                     "" if unfit is None else f"latency table {path} {unfit}: ", here, path)
         return profile_hardware(
-            dims, device=device, dtype=dtype, block_size=block_size, stride=stride, quick=True,
+            config, device=device, dtype=dtype, block_size=block_size, stride=stride, quick=True,
             max_length=max_length, progress=progress, output=path, selection=selection,
         )
     log.warning("no usable latency table at %s and profiling is off: using the analytic prior", path)

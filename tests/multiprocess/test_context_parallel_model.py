@@ -1,4 +1,4 @@
-"""The tiny Qwen with context parallelism 2 (two gloo ranks sharing one striped stream) gives the loss and the
+"""The tiny model with context parallelism 2 (two gloo ranks sharing one striped stream) gives the loss and the
 gradients of one process holding the whole stream, over two optimiser steps, with dense and sparse attention.
 
 Each rank stripes the packed stream with ``stripe_packed`` (which pads it with a padding document), runs the
@@ -15,14 +15,14 @@ BLOCK = 16
 DOCUMENTS = [7, 50, 100, 3, 75]  # 235 tokens: a document shorter than a block, documents across stripes, padding
 TOLERANCE = 1e-5
 CASES = [("dense", False), ("sparse", False), ("sparse", True)]  # (attention, activation checkpointing)
+DIMS = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=128)
 
 
 def _model(checkpointing: bool = False):
     from sparsebalance_pl.model import ModelConfig, PackedCausalLM
 
     torch.manual_seed(0)
-    dims = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=128)
-    hf_model = ModelConfig(preset="demo", overrides=dims).build("sparsebalance")
+    hf_model = ModelConfig(preset="demo", overrides=DIMS).build("sparsebalance")
     if checkpointing:  # the backward recomputes each layer, ring included, with the masks of the forward
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return PackedCausalLM(hf_model, loss_chunk_tokens=64)
@@ -36,12 +36,13 @@ def _batch(step: int) -> dict:
 
 
 def _context(batch, backend, cp):
-    from sparsebalance_pl.attention import AttentionConfig, AttentionContext
-    from sparsebalance_pl.kernels import LayerBudget
+    """The sparse attention of the two-layer model, its micro-batch begun on ``batch`` (striped over ``cp``)."""
+    from sparsebalance_pl.attention import AttentionConfig, SparseAttention
 
     config = AttentionConfig(backend=backend, block_size=BLOCK, stride=4, tau=0.9, kernel_backend="torch")
-    budgets = [LayerBudget(0.9) for _ in range(2)]
-    return AttentionContext(cu_seqlens=batch["cu_seqlens"], config=config, budgets=budgets, context_parallel=cp)
+    sparse = SparseAttention(DIMS, config)
+    sparse.begin(batch["cu_seqlens"], training=True, context_parallel=cp)
+    return sparse
 
 
 def _loss_and_grads(net, batch, ctx, world_size):
@@ -65,7 +66,7 @@ def _rank(rank, out_dir):
 
     from sparsebalance_pl.context_parallel import ContextParallel
     from sparsebalance_pl.datamodules.packing import stripe_packed
-    from sparsebalance_pl.module import _group_budgets
+    from sparsebalance_pl.attention import _group_budgets
     from sparsebalance_pl.kernels import LayerBudget
 
     results = {}

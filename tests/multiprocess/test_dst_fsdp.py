@@ -1,4 +1,4 @@
-"""DynamicSparsityTuning on SparseQwen under FSDP2, 2 gloo ranks on the CPU, through ``python main.py fit``: the
+"""DynamicSparsityTuning on SparseCausalLM under FSDP2, 2 gloo ranks on the CPU, through ``python main.py fit``: the
 overloaded rank goes sparser (by its tile scale, tau kept at tau0) whenever DST moves, and DST holds only inside
 the cost model's error."""
 

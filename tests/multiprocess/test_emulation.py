@@ -36,9 +36,9 @@ def _args(run_dir: Path, init: Path) -> list[str]:
 
 def _initial_weights(path: Path) -> None:
     from sparsebalance_pl.model import ModelConfig
-    from sparsebalance_pl.module import SparseQwen
+    from sparsebalance_pl.module import SparseCausalLM
 
-    module = SparseQwen(model=ModelConfig(preset="demo", overrides={"num_layers": 2}))
+    module = SparseCausalLM(model=ModelConfig(preset="demo", overrides={"num_layers": 2}))
     module.configure_model()
     module.net.hf.save_pretrained(path)
 

@@ -49,10 +49,10 @@ def test_profiles_once_caches_and_reprofiles_on_another_device(tmp_path, config,
     assert json.loads(table.read_text())["table"]["meta"]["device"] != "NVIDIA H100 80GB HBM3"
 
 
-def test_both_flagships_attach_the_whole_method():
+def test_every_flagship_attaches_the_whole_method():
     import yaml
 
-    for config in ("qwen05b.yaml", "qwen3b.yaml"):
+    for config in ("qwen05b.yaml", "qwen3b.yaml", "llama3_1b.yaml", "qwen3_0_6b.yaml"):
         cfg = yaml.safe_load((REPO / "configs" / config).read_text())
         callbacks = {c["class_path"].rsplit(".", 1)[-1] for c in cfg["trainer"]["callbacks"]}
         assert {"DynamicSparsityTuning", "BatchPlanMonitor", "DensityCalibration"} <= callbacks, config

@@ -15,10 +15,10 @@ SPLITS = {"balanced": ([0, 1, 2], [3, 4, 5]), "skewed": ([0, 2, 5], [1, 3, 4])}
 def _module():
     from sparsebalance_pl.attention import AttentionConfig
     from sparsebalance_pl.model import ModelConfig
-    from sparsebalance_pl.module import SparseQwen
+    from sparsebalance_pl.module import SparseCausalLM
 
     torch.manual_seed(0)
-    module = SparseQwen(
+    module = SparseCausalLM(
         model=ModelConfig(
             preset="demo",
             overrides={"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128},

@@ -8,13 +8,13 @@ from main_runner import error_of
 
 from sparsebalance_pl import attention as attention_module
 from sparsebalance_pl import kernels
-from sparsebalance_pl.attention import AttentionConfig, AttentionContext, _sparse_attention
+from sparsebalance_pl.attention import AttentionConfig, SparseAttention
 from sparsebalance_pl.context_parallel import ContextParallel
 from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.errors import ConfigError
-from sparsebalance_pl.kernels.selection import SELECTION_OPTIONS, LayerBudget
+from sparsebalance_pl.kernels.selection import SELECTION_OPTIONS
 from sparsebalance_pl.model import ModelConfig
-from sparsebalance_pl.module import SparseQwen
+from sparsebalance_pl.module import SparseCausalLM
 
 TINY = {"num_layers": 2, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}
 OPTIONS = dict(estimate="sampled", sink_blocks=2, local_blocks=3, recall_probes=1, per_head_tau=True)
@@ -43,30 +43,30 @@ def test_options_reach_both_selection_calls(monkeypatch, striped):
     monkeypatch.setattr(attention_module, "_ring_attention", lambda q, *args: torch.zeros_like(q))
     q, k, v = _qkv()
     cfg = AttentionConfig(block_size=16, stride=4, kernel_backend="torch", **OPTIONS)
-    ctx = AttentionContext(cu_seqlens=torch.tensor([0, 128], dtype=torch.int32), config=cfg,
-                           budgets=[LayerBudget(0.9)], context_parallel=ContextParallel(size=2 if striped else 1))
-    _sparse_attention(q, k, v, 0, ctx, None)
+    sparse = SparseAttention({**TINY, "num_layers": 1, "head_dim": 16, "vocab_size": 256}, cfg)
+    cu_seqlens = torch.tensor([0, 128], dtype=torch.int32)
+    batch = sparse.begin(cu_seqlens, training=False, context_parallel=ContextParallel(size=2 if striped else 1))
+    sparse.attend(0, q, k, v, cu_seqlens)
     assert {name: seen[name] for name in OPTIONS} == OPTIONS
     assert (seen["block_size"], seen["stride"], seen["backend"]) == (16, 4, "torch")
     assert ("group" in seen) == striped
-    assert 0 in ctx.masks and 0 in ctx.stats
+    assert 0 in batch.masks and 0 in batch.stats
 
 
 def _forward_stats(**options) -> tuple[list[float], list[float]]:
     """Per-layer (density, estimated recall) of a tiny model's forward on a packed micro-batch."""
     torch.manual_seed(0)
-    module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY),
+    module = SparseCausalLM(model=ModelConfig(preset="demo", overrides=TINY),
                         attention=AttentionConfig(block_size=16, stride=4, tau=0.5, kernel_backend="torch", **options))
     module.configure_model()
     module.eval()
     gen = torch.Generator().manual_seed(1)
     batch = collate_packed([{"tokens": torch.randint(0, 256, (n,), generator=gen).numpy()} for n in (200, 56)])
-    ctx = module.attention_context(batch["cu_seqlens"])
     with torch.no_grad():
         module.net.hf.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                            sb_context=ctx)
-    layers = sorted(ctx.stats)
-    return ([float(ctx.stats[i].density) for i in layers], [float(ctx.stats[i].estimated_recall) for i in layers])
+                            sparse_attention=module.begin_micro_batch(batch))
+    report = module.sparse_attention.report()
+    return report.density, report.estimated_recall
 
 
 def test_options_change_the_forwards_selection():

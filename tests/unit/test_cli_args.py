@@ -13,5 +13,5 @@ def test_main_parses_its_args_without_warning_about_the_scripts_command_line(mon
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         built = main(["--config", str(REPO / "configs" / "demo.yaml"), "--model.attention.tau=0.8"], run=False)
-    assert built.model.attention_config.tau == 0.8
+    assert built.model.sparse_attention.config.tau == 0.8
     assert not [w for w in caught if "args parameter" in str(w.message)], [str(w.message) for w in caught]

@@ -8,7 +8,7 @@ from main_runner import REPO
 from sparsebalance_pl import cli
 from sparsebalance_pl.cli import main
 from sparsebalance_pl.latency import LatencyModel
-from sparsebalance_pl.model import PRESETS
+from sparsebalance_pl.model import PRESETS, ModelDims
 
 CONFIGS = REPO / "configs"
 DEMO = str(CONFIGS / "demo.yaml")
@@ -17,7 +17,7 @@ SHORT = ["--data.batching.max_tokens=1024", "--data.corpus.max_doc_tokens=1024"]
 
 def test_profile_writes_a_table_for_the_configured_model(tmp_path):
     out = main(["profile", "--config", DEMO, "--output", str(tmp_path / "table.json")])
-    model = LatencyModel.from_file(out, PRESETS["demo"], block_size=64, stride=16)
+    model = LatencyModel.from_file(out, PRESETS["demo"].dims, block_size=64, stride=16)
     assert model.predict([4096], 0.5) > model.predict([1024], 0.5) > 0
 
 
@@ -28,7 +28,7 @@ def test_profile_stacks_configs_and_overrides_like_fit(tmp_path):
         "profile", "--config", DEMO, "--config", str(CONFIGS / "sharp.yaml"), "--config", str(overlay),
         "--model.attention.block_size=32", *SHORT, "--output", str(tmp_path / "table.json"),
     ])
-    model = LatencyModel.from_file(out, PRESETS["demo"], block_size=32, stride=8)  # the override beats the overlay
+    model = LatencyModel.from_file(out, PRESETS["demo"].dims, block_size=32, stride=8)  # the override beats the overlay
     assert model.table.meta.block_size == 32 and max(model.table.lengths) == 1024
 
 
@@ -42,10 +42,10 @@ def test_profile_stacks_configs_and_overrides_like_fit(tmp_path):
 )
 def test_profile_measures_where_and_how_the_trainer_trains(monkeypatch, tmp_path, trainer, device, dtype):
     seen = {}
-    monkeypatch.setattr(cli, "profile_hardware", lambda dims, **settings: seen.update(settings, dims=dims))
+    monkeypatch.setattr(cli, "profile_hardware", lambda config, **settings: seen.update(settings, config=config))
     main(["profile", "--config", DEMO, *trainer, *SHORT, "--output", str(tmp_path / "table.json")])
     assert (seen["device"], seen["dtype"], seen["max_length"]) == (device, dtype, 1024)
-    assert seen["dims"] == PRESETS["demo"] and seen["quick"]
+    assert ModelDims.from_hf_config(seen["config"]) == PRESETS["demo"].dims and seen["quick"]
 
 
 def test_profile_needs_somewhere_to_write(capsys):

@@ -145,11 +145,12 @@ def test_sampler_with_groups_trains_every_document_once_and_keeps_ranks_in_step(
 
 
 def test_a_shared_document_is_priced_with_the_ring_s_communication():
-    from sparsebalance_pl.cost import CostModel, LatencyModel
+    from sparsebalance_pl.cost import CostModel
+    from sparsebalance_pl.latency import LatencyModel
     from sparsebalance_pl.datamodules.sampler import SparsityAwareSampler
     from sparsebalance_pl.model import PRESETS
 
-    cost = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16))
+    cost = CostModel(LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16))
     cost.ring.observe(4096, 2, 0.25)  # a measured wait: the ring's cost is now 0.25 s for a 4K stream
     lengths = np.array([100, 1000, 4096])
     sampler = SparsityAwareSampler(lengths, BatchingConfig(max_tokens=2048, defer_window=0), cost_model=cost,

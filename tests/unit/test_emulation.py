@@ -14,7 +14,7 @@ from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.emulation import EmulatedRanks, allreduce_seconds
 from sparsebalance_pl.model import ModelConfig
-from sparsebalance_pl.module import OptimConfig, SparseQwen
+from sparsebalance_pl.module import OptimConfig, SparseCausalLM
 
 TINY = {"num_layers": 1, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128}
 
@@ -22,7 +22,7 @@ TINY = {"num_layers": 1, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "
 @pytest.fixture
 def module():
     torch.manual_seed(0)
-    module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY),
+    module = SparseCausalLM(model=ModelConfig(preset="demo", overrides=TINY),
                         attention=AttentionConfig(backend="sparse", block_size=64, stride=16, tau=0.9),
                         optim=OptimConfig(lr=1e-3, warmup_steps=0))
     module.configure_model()
@@ -49,7 +49,7 @@ def test_a_ranks_time_leaves_out_the_measurement_of_recall(module, monkeypatch):
     time does not hold it, so a slow measurement leaves the rank's time as it was."""
     import sparsebalance_pl.attention as attention
 
-    module.attention_config = dataclasses.replace(module.attention_config, recall_rows=16)
+    module.sparse_attention.config = dataclasses.replace(module.sparse_attention.config, recall_rows=16)
     measure = attention._measure_recall
 
     def slow_measure(*args, **kwargs):
@@ -127,16 +127,18 @@ def test_a_step_without_update_teaches_the_cost_model_and_leaves_the_weights(mod
     assert step.optimizer_seconds == 0.0 and math.isfinite(step.loss)
     for name, p in module.named_parameters():
         assert torch.equal(p.detach(), before[name]) and p.grad is None, name
-    assert ranks.scheduler.last_epoch == 0 and module.cost_model.overheads_observed == 0
-    assert module.cost_model.warmup_left == 0 and module.cost_model.last_step is step.observations[-1]
+    cost_model = module.sparse_attention.cost_model
+    assert ranks.scheduler.last_epoch == 0 and cost_model.overheads_observed == 0
+    assert cost_model.warmup_left == 0 and cost_model.last_step is step.observations[-1]
 
 
 def test_a_step_keeps_each_ranks_predicted_time_from_the_controller(module):
-    from sparsebalance_pl.callbacks.controller import DSTController
+    from sparsebalance_pl.dst import DSTController
 
     without = EmulatedRanks(module, 2, total_steps=4).step([[_batch(0)], [_batch(1)]], update=False)
     assert all(math.isnan(s) for s in without.predicted_seconds)
-    controller, decisions = DSTController(module.cost_model, module.base_budgets, p=0.0), []
+    sparse = module.sparse_attention
+    controller, decisions = DSTController(sparse.cost_model, sparse.base_budgets, p=0.0), []
     plan = controller.plan
     controller.plan = lambda lengths: decisions.append(plan(lengths)) or decisions[-1]
     batches = [[_batch(0), _batch(2, (64,))], [_batch(1), _batch(3, (64,))]]

@@ -1,4 +1,4 @@
-"""SparseQwen calibrates its cost model from its own steps, whether or not DST is attached."""
+"""SparseCausalLM calibrates its cost model from its own steps, whether or not DST is attached."""
 
 from dataclasses import replace
 
@@ -8,27 +8,28 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from sparsebalance_pl.attention import AttentionConfig
+from sparsebalance_pl.attention import AttentionConfig, SparseAttention
 from sparsebalance_pl.callbacks import DynamicSparsityTuning
-from sparsebalance_pl.cost import CostModel, LatencyModel
+from sparsebalance_pl.cost import CostModel
+from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.cost.recall import length_class
 from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.model import ModelConfig
-from sparsebalance_pl.module import OptimConfig, SparseQwen
+from sparsebalance_pl.module import OptimConfig, SparseCausalLM
 
 TINY = {"num_layers": 2, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128}
 HELD_OUT = [([1024], 0.3), ([256] * 4, 0.6), ([512, 128, 384], 0.9), ([896], 0.15)]
 
 
-class SyntheticClockQwen(SparseQwen):
-    """SparseQwen whose attention 'takes' what ``truth`` predicts for what the selection kept: the cost model's
-    learning is then deterministic, and its error measurable against a known answer."""
+class SyntheticClock(SparseAttention):
+    """Sparse attention that 'takes' what ``truth`` predicts for what the selection kept: the cost model's learning
+    is then deterministic, and its error measurable against a known answer."""
 
     truth: CostModel
 
-    def sparsity_report(self):
-        report = super().sparsity_report()
-        lengths = torch.diff(self.last_context.cu_seqlens).tolist()
+    def report(self):
+        report = super().report()
+        lengths = torch.diff(self.micro_batch.cu_seqlens).tolist()
         return replace(report, attention_seconds=self.truth.timed_seconds(lengths, report.mean_density))
 
 
@@ -48,21 +49,19 @@ def _held_out_error(cost: CostModel, truth: CostModel) -> float:
 
 def _fit(with_dst: bool, steps: int = 20) -> tuple[float, float, dict]:
     torch.manual_seed(0)
-    module = SyntheticClockQwen(
+    module = SparseCausalLM(
         model=ModelConfig(preset="demo", overrides=TINY),
         attention=AttentionConfig(backend="sparse", block_size=64, stride=16, tau=0.9),
         optim=OptimConfig(lr=1e-3, warmup_steps=0),
     )
-    module.truth = CostModel(LatencyModel(module.cost_model.latency.table.scaled([1.0, 2.5, 0.5, 1.0])))
-    prior_error = _held_out_error(module.cost_model, module.truth)
-    callbacks = []
-    if with_dst:
-        callbacks.append(DynamicSparsityTuning(p=0.1))
-        callbacks[0].connect(module.cost_model)
+    clock = module.sparse_attention = SyntheticClock(module.dims, module.sparse_attention.config)
+    clock.truth = CostModel(LatencyModel(clock.cost_model.latency.table.scaled([1.0, 2.5, 0.5, 1.0])))
+    prior_error = _held_out_error(clock.cost_model, clock.truth)
+    callbacks = [DynamicSparsityTuning(p=0.1)] if with_dst else []
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks)
     trainer.fit(module, DataLoader(_batches(steps), batch_size=None))
-    return prior_error, _held_out_error(module.cost_model, module.truth), module.cost_model.state_dict()
+    return prior_error, _held_out_error(clock.cost_model, clock.truth), clock.cost_model.state_dict()
 
 
 def test_a_run_without_dst_calibrates_as_well_as_one_with_it():
@@ -82,22 +81,22 @@ def test_the_report_prices_a_moved_budget_against_the_base_one(recall_rows):
     recall, and the base figures as a static step would report them. Where the module measures exact recall,
     the move is priced by it, the base budget's measured on the same rows."""
     torch.manual_seed(0)
-    module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY),
+    module = SparseCausalLM(model=ModelConfig(preset="demo", overrides=TINY),
                         attention=AttentionConfig(backend="sparse", block_size=64, stride=16, tau=0.6,
                                                   recall_rows=recall_rows))  # below 1 at the base: room to raise
     module.configure_model()
     batch = _batches(1)[0]
     module(batch)
-    static = module.sparsity_report()
-    module.layer_budgets = [replace(b, density_scale=0.5) for b in module.base_budgets]
+    static = module.sparse_attention.report()
+    module.sparse_attention.budgets = [replace(b, density_scale=0.5) for b in module.sparse_attention.base_budgets]
     module(batch)
-    cut = module.sparsity_report()
+    cut = module.sparse_attention.report()
     assert static.moved() == (0.0, 0.0)
     assert cut.base_density == pytest.approx(static.density) and cut.base_estimated_recall == pytest.approx(
         static.estimated_recall, abs=1e-4)
     density, recall = cut.moved()
     assert density < 0 and recall < 0
-    assert not module.last_context.selections  # each layer's selection was measured and let go
+    assert not module.sparse_attention.micro_batch.selections  # each layer's selection was measured and let go
     if recall_rows:
         # (a layer after a moved one sees that layer's other output, so the base figures agree only closely)
         assert static.base_recall == static.recall and cut.base_recall == pytest.approx(static.recall, abs=1e-3)
@@ -116,7 +115,7 @@ def test_density_calibration_prices_recall_by_length_before_the_first_step():
     """Where recall is measured, the calibration's forwards at the base budget also run the price probes, so
     the adaptive anchor's first move is priced on documents of its length and not by the prior."""
     torch.manual_seed(0)
-    module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY),
+    module = SparseCausalLM(model=ModelConfig(preset="demo", overrides=TINY),
                         attention=AttentionConfig(backend="sparse", block_size=64, stride=16, tau=0.6, recall_rows=64))
     module.configure_model()
     module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
@@ -125,8 +124,8 @@ def test_density_calibration_prices_recall_by_length_before_the_first_step():
     packs = [[2048], [256] * 4]
     batches = [collate_packed([{"tokens": rng.integers(0, 512, n)} for n in pack]) for pack in packs]
     module.calibrate_density(batches)
-    assert module.training and module.cost_model.density.observed
-    prices = module.cost_model.recall_prices
+    assert module.training and module.sparse_attention.cost_model.density.observed
+    prices = module.sparse_attention.cost_model.recall_prices
     assert set(prices.moments) == {length_class(pack) for pack in packs}
     for pack in packs:  # measured: off the prior (1.0, 1.0); an untrained model's attention is near uniform
         cut, raised = prices.prices(pack)

@@ -1,20 +1,26 @@
-"""Packed micro-batches through our attention give what unmodified Hugging Face Qwen2 gives document by document."""
+"""Packed micro-batches through our attention give what the unmodified Hugging Face model gives document by
+document, in every family the module serves."""
 
 import pytest
 import torch
-from transformers import Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.model import ModelConfig
-from sparsebalance_pl.module import SparseQwen
+from sparsebalance_pl.module import SparseCausalLM
 
 TINY = {"num_layers": 2, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}
+#: The smallest dimensions that still exercise grouped KV heads, several blocks per document and documents that
+#: start and end inside a block.
+FAMILY_DIMS = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+               "intermediate_size": 128, "vocab_size": 300, "max_position_embeddings": 512}
+FAMILIES = ["qwen2", "qwen3", "llama", "mistral", "gemma3_text", "phi3"]
 
 
-def _module(backend: str, tau: float = 0.9) -> SparseQwen:
+def _module(backend: str, tau: float = 0.9) -> SparseCausalLM:
     torch.manual_seed(0)
-    module = SparseQwen(
+    module = SparseCausalLM(
         model=ModelConfig(preset="demo", overrides=TINY),
         attention=AttentionConfig(backend=backend, block_size=16, stride=4, tau=tau),
     )
@@ -28,30 +34,43 @@ def _packed_batch(lengths: list[int], vocab: int, seed: int = 0) -> tuple[dict, 
     return collate_packed([{"tokens": d.numpy()} for d in docs]), docs
 
 
-def _packed_logits(module: SparseQwen, batch: dict) -> torch.Tensor:
-    ctx = module.attention_context(batch["cu_seqlens"])
+def _packed_logits(module: SparseCausalLM, batch: dict) -> torch.Tensor:
     hf = module.net.hf
-    hidden = hf.model(
-        input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, sb_context=ctx
+    hidden = hf.get_decoder()(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+        sparse_attention=module.begin_micro_batch(batch),
     ).last_hidden_state
-    return hf.lm_head(hidden)[0]
+    return hf.get_output_embeddings()(hidden)[0]
 
 
-@pytest.mark.parametrize("reference_impl", ["eager", "sdpa"])
-def test_dense_packed_matches_hugging_face_per_document(reference_impl):
-    module = _module("dense")
-    module.eval()
-    reference = Qwen2ForCausalLM(module.net.hf.config.__class__(**{
-        **module.net.hf.config.to_dict(), "attn_implementation": reference_impl}))
-    reference.load_state_dict(module.net.hf.state_dict())
-    reference.eval()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_matches_the_unmodified_model_document_by_document(family):
+    """Dense attention, and sparse attention at tau 1 (every causal block kept): the packed stream's logits and
+    the gradients of its mean loss equal the unmodified model's run on each document alone."""
     lengths = [37, 100, 5, 64, 81]
-    batch, docs = _packed_batch(lengths, module.dims.vocab_size)
-    with torch.no_grad():
+    modules = {}
+    for backend in ("dense", "sparse"):
+        torch.manual_seed(0)
+        modules[backend] = SparseCausalLM(model=ModelConfig(model_type=family, overrides=FAMILY_DIMS),
+                                          attention=AttentionConfig(backend=backend, block_size=16, stride=4, tau=1.0))
+        modules[backend].configure_model()
+    reference = AutoModelForCausalLM.from_config(modules["dense"].model_config.hf_config(), attn_implementation="sdpa")
+    reference.load_state_dict(modules["dense"].net.hf.state_dict())
+    assert type(reference) is type(modules["dense"].net.hf) and type(reference).__name__.lower().startswith(
+        family.split("_")[0])
+    batch, docs = _packed_batch(lengths, FAMILY_DIMS["vocab_size"])
+    targets = batch["targets"][0]
+    count = int((targets != -100).sum())
+    alone = torch.cat([reference(input_ids=d[None], use_cache=False).logits[0] for d in docs])
+    torch.nn.functional.cross_entropy(alone, targets, ignore_index=-100, reduction="sum").div(count).backward()
+    for backend, module in modules.items():
         packed = _packed_logits(module, batch)
-        alone = torch.cat([reference(input_ids=d[None], use_cache=False).logits[0] for d in docs])
-    assert packed.shape == alone.shape
-    assert (packed - alone).abs().max().item() <= 1e-5
+        assert (packed - alone).abs().max().item() <= 1e-5, backend
+        loss_sum, tokens = module(batch)
+        assert int(tokens) == count
+        (loss_sum / count).backward()
+        for (name, ours), theirs in zip(module.net.hf.named_parameters(), reference.parameters()):
+            assert (ours.grad - theirs.grad).abs().max().item() <= 1e-5, (backend, name)
 
 
 def test_no_leakage_across_documents():
@@ -106,8 +125,8 @@ def test_activation_checkpointing_reuses_masks_and_matches_gradients():
         loss_sum, _ = module(batch)
         loss_sum.backward()
         grads.append([p.grad for p in module.net.parameters()])
-        assert set(module.last_context.masks) == {0, 1}
+        assert set(module.sparse_attention.micro_batch.masks) == {0, 1}
     assert ckpt.net.hf.model.gradient_checkpointing
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert torch.equal(plain.last_context.masks[1], ckpt.last_context.masks[1])
+    assert torch.equal(plain.sparse_attention.micro_batch.masks[1], ckpt.sparse_attention.micro_batch.masks[1])

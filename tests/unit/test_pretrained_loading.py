@@ -1,21 +1,22 @@
-"""A local Hugging Face directory supplies the weights and the tokenizer; nothing is downloaded."""
+"""A local Hugging Face directory of any supported family supplies the weights and the tokenizer; nothing is
+downloaded, and no weight is dropped."""
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast
 
 from sparsebalance_pl.attention import ATTN_IMPLEMENTATION
 from sparsebalance_pl.datamodules.tokenizer import load_tokenizer
 from sparsebalance_pl.errors import ConfigError
-from sparsebalance_pl.model import ModelConfig
+from sparsebalance_pl.model import ModelConfig, build_model
 
 
-def _save_local_model(path):
+def _save_local_model(path, family: str = "qwen2"):
     torch.manual_seed(0)
-    dims = ModelConfig(preset="demo", overrides={"num_layers": 2, "hidden_size": 64, "num_heads": 4,
-                                                  "intermediate_size": 128}).dims()
-    model = Qwen2ForCausalLM(dims.to_hf_config("sdpa"))
+    config = ModelConfig(model_type=family, overrides={"num_layers": 2, "hidden_size": 64, "num_heads": 4,
+                                                       "intermediate_size": 128}).hf_config()
+    model = build_model(config, "sdpa")
     model.save_pretrained(path)
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -25,12 +26,16 @@ def _save_local_model(path):
     return model
 
 
-def test_weights_and_tokenizer_come_from_the_local_directory(tmp_path):
-    saved = _save_local_model(tmp_path)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_weights_and_tokenizer_come_from_the_local_directory(tmp_path, family):
+    saved = _save_local_model(tmp_path, family)
     config = ModelConfig(pretrained_path=str(tmp_path))
     loaded = config.build(ATTN_IMPLEMENTATION)
-    assert config.dims().num_layers == 2
-    assert loaded.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert config.dims().num_layers == 2 and type(loaded) is type(saved)
+    assert loaded.config.model_type == family
+    with pytest.raises(RuntimeError, match="needs the model to be called with sparse_attention="):
+        loaded(input_ids=torch.zeros(1, 4, dtype=torch.long))  # it attends through our plug-in
+    assert saved.state_dict().keys() == loaded.state_dict().keys()  # Qwen3's q/k norms too
     for (name, a), (_, b) in zip(saved.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
     tokenizer = load_tokenizer(str(tmp_path))

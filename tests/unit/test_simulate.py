@@ -11,7 +11,7 @@ from main_runner import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 import simulate  # noqa: E402
 
-from sparsebalance_pl.callbacks.controller import DSTController  # noqa: E402
+from sparsebalance_pl.dst import DSTController  # noqa: E402
 from sparsebalance_pl.cost import CostModel  # noqa: E402
 from sparsebalance_pl.datamodules.sampler import BatchingConfig, SparsityAwareSampler  # noqa: E402
 from sparsebalance_pl.datamodules.synthetic import LengthPrior  # noqa: E402
@@ -20,7 +20,7 @@ from sparsebalance_pl.model import PRESETS  # noqa: E402
 
 
 def test_the_h100_model_reproduces_the_figures_it_was_fitted_to():
-    dims = PRESETS["qwen2.5-0.5b"]
+    dims = PRESETS["qwen2.5-0.5b"].dims
     ours = simulate.h100_latency(dims)
     cudnn = simulate.h100_latency(dims, simulate.H100_CUDNN_ATTENTION_128K_S)
     parts = ours.breakdown([131072], 1.0)
@@ -74,7 +74,7 @@ def test_noisy_ranks_lengthen_balanced_steps_more_than_a_straggler_led_one():
 def test_the_simulated_error_settles_to_the_ranks_noise_and_dst_then_acts():
     """A cost model started with a few calibration steps' large error learns, step by step, the error that the
     ranks' noise gives, as a live run's does; held at its start, it would keep DST damped all epoch."""
-    dims = PRESETS["qwen2.5-0.5b"]
+    dims = PRESETS["qwen2.5-0.5b"].dims
     lengths = LengthPrior.load("wlbllm").sample(400, np.random.default_rng(0), 32768)
     _, batching, _ = simulate.VARIANTS["dst"]
 

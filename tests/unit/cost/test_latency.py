@@ -17,7 +17,7 @@ from sparsebalance_pl.cost.latency import (
 from sparsebalance_pl.model import PRESETS
 from sparsebalance_pl.cost.profiler import random_micro_batches
 
-DEMO = PRESETS["demo"]
+DEMO = PRESETS["demo"].dims
 
 
 def analytic(**kwargs) -> LatencyModel:
@@ -206,7 +206,7 @@ def test_missing_or_corrupt_tables_give_a_clear_reason_and_a_fallback(tmp_path, 
 def test_tables_for_other_dimensions_or_kernels_are_rejected(tmp_path, caplog):
     path = analytic(device="cpu-a").save(tmp_path / "table.json")
     with pytest.raises(LatencyTableError, match="num_layers: table 4 != model 24"):
-        LatencyModel.from_file(path, PRESETS["qwen2.5-0.5b"])
+        LatencyModel.from_file(path, PRESETS["qwen2.5-0.5b"].dims)
     with caplog.at_level(logging.WARNING, logger="sparsebalance_pl.latency"):
         assert LatencyModel.load_or_none(path, DEMO, block_size=128, stride=16) is None
         assert "block_size: table 64 != run 128" in caplog.text

@@ -1,18 +1,20 @@
 """The cost model as one object: predictions, learning from steps of every rank, state."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel, SparsityReport, StepRecord
+from sparsebalance_pl.cost import CostModel, DensityEstimator, SparsityReport, StepRecord
+from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.model import PRESETS
 
 LONG, SHORT = [4096], [512] * 8
 
 
 def _cost(sparse: bool = True, warmup_steps: int = 0) -> CostModel:
-    latency = LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16)
+    latency = LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16)
     return CostModel(latency, DensityEstimator(block_size=64) if sparse else None, warmup_steps=warmup_steps)
 
 
@@ -109,13 +111,13 @@ def test_rank_count_change_restarts_speeds(caplog):
 
 
 def test_step_overhead_follows_the_measured_optimiser_time_after_the_first_step():
-    cost = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16), speed_smoothing=0.5)
+    cost = CostModel(LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16), speed_smoothing=0.5)
     cost.observe_step_overhead(5.0)  # the first step allocates the optimiser's state
     assert cost.step_overhead == 0.0
     for seconds in (0.2, 0.2, 0.2, float("nan"), 0.2):
         cost.observe_step_overhead(seconds)
     assert cost.step_overhead == pytest.approx(0.2)
-    restored = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16))
+    restored = CostModel(LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16))
     restored.load_state_dict(cost.state_dict())
     assert restored.step_overhead == pytest.approx(0.2)
 
@@ -233,3 +235,18 @@ def test_a_move_is_priced_by_exact_recall_where_it_was_measured_else_by_the_esti
     assert SparsityReport(**moved, recall=0.85, base_recall=0.88).moved() == pytest.approx((-0.1, -0.03))
     assert SparsityReport(**moved, recall=0.85).moved() == pytest.approx((-0.1, -0.1))  # no base recall measured
     assert SparsityReport(**dict(moved, base_density=None)).moved() is None
+
+
+def test_the_error_starts_from_what_the_latency_model_expects_of_itself():
+    """A table profiled on this machine for this model starts DST's trust at the spread of its own timings; the
+    analytic prior starts uncalibrated; measured steps take over either way."""
+    cost = _cost()
+    assert cost.error == 1.0  # the analytic prior
+    table = cost.latency.table
+    meta = replace(table.meta, source="profile", notes={"timing_spread": 0.04})
+    cost.latency = LatencyModel(replace(table, meta=meta))
+    assert cost.latency.prior_error == 0.04 and cost.error == 0.04
+    cost.observe([_record(cost, LONG, 0.5, slower=1.5)])
+    assert cost.error == pytest.approx((0.04 + np.log(1.5)) / 2)  # the start counts as one step
+    cost.latency = LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16)
+    assert cost.error == pytest.approx((0.04 + np.log(1.5)) / 2)  # learned: a new table does not reset it

@@ -22,9 +22,10 @@ from sparsebalance_pl.cost.profiler import _KernelBench
 from sparsebalance_pl.kernels.selection import selection_options
 
 TINY = ModelDims(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=128)
+TINY_CONFIG = TINY.to_hf_config()
 TINY_GRID = ProfileGrid(
     lengths=(128, 256), densities=(0.5, 1.0), token_counts=(128, 2048), repeats=2, cell_seconds=0.5,
-    model_steps=3, model_tokens=(128, 512),
+    model_steps=3, model_tokens=(128, 512), passes=2,
 )
 KERNELS = dict(block_size=32, stride=8)
 
@@ -44,7 +45,7 @@ def tiny_profile(tmp_path_factory):
     """Timed in CPU time on one thread, so other jobs on a shared machine cannot distort the tiny timings."""
     path = tmp_path_factory.mktemp("profile") / "table.json"
     with one_thread():
-        return path, profile_hardware(TINY, grid=TINY_GRID, progress=False, output=path, clock="cpu", **KERNELS)
+        return path, profile_hardware(TINY_CONFIG, grid=TINY_GRID, progress=False, output=path, clock="cpu", **KERNELS)
 
 
 def test_tiny_profile_measures_every_part_and_describes_itself(tiny_profile):
@@ -58,6 +59,7 @@ def test_tiny_profile_measures_every_part_and_describes_itself(tiny_profile):
     assert meta.dims["num_layers"] == 2 and meta.dims["head_dim"] == 32
     assert (meta.block_size, meta.stride, meta.dtype) == (32, 8, "float32")
     assert set(meta.versions) == {"torch", "triton", "transformers"}
+    assert meta.notes["timing_spread"] >= 0 and model.prior_error == meta.notes["timing_spread"]  # DST's first trust
     # The parts' terms are scaled to the whole-model steps, and a call's fixed cost moved to the layer.
     scales = np.array(list(meta.notes["model_step_scales"].values()))
     assert scales.shape == (4,) and np.all(np.isfinite(scales)) and np.all(scales > 0)
@@ -66,7 +68,7 @@ def test_tiny_profile_measures_every_part_and_describes_itself(tiny_profile):
     assert loaded.predict([100, 200], 0.7) == pytest.approx(model.predict([100, 200], 0.7))
     assert model.predict([256], 1.0) > model.predict([128], 1.0)
     with pytest.raises(ValueError, match="set_num_threads"):
-        profile_hardware(TINY, grid=TINY_GRID, progress=False, clock="cpu", **KERNELS)  # with 2 threads
+        profile_hardware(TINY_CONFIG, grid=TINY_GRID, progress=False, clock="cpu", **KERNELS)  # with 2 threads
 
 
 def test_measure_seconds_takes_the_fastest_run_after_a_warm_up():
@@ -87,7 +89,7 @@ def test_run_start_uses_a_fitting_table_without_profiling(tiny_profile, monkeypa
     path, model = tiny_profile
     monkeypatch.setattr("sparsebalance_pl.cost.profiler.profile_hardware", pytest.fail)
     with one_thread():  # the device the table names
-        loaded = latency_model_for_run(path, TINY, device="cpu", max_length=256, **KERNELS)
+        loaded = latency_model_for_run(path, TINY_CONFIG, device="cpu", max_length=256, **KERNELS)
     assert loaded.predict([200], 0.5) == pytest.approx(model.predict([200], 0.5))
 
 
@@ -96,12 +98,12 @@ def test_run_start_profiles_again_for_another_dtype_or_longer_documents(tiny_pro
     profiled = []
     monkeypatch.setattr(
         "sparsebalance_pl.cost.profiler.profile_hardware",
-        lambda dims, **kw: profiled.append(kw) or LatencyModel.analytic(dims, **KERNELS),
+        lambda config, **kw: profiled.append(kw) or LatencyModel.analytic(TINY, **KERNELS),
     )
     with one_thread(), caplog.at_level(logging.WARNING):
-        latency_model_for_run(path, TINY, device="cpu", dtype=torch.bfloat16, max_length=256, **KERNELS)
-        latency_model_for_run(path, TINY, device="cpu", max_length=1024, **KERNELS)
-        kept = latency_model_for_run(path, TINY, device="cpu", max_length=1024, profile=False, **KERNELS)
+        latency_model_for_run(path, TINY_CONFIG, device="cpu", dtype=torch.bfloat16, max_length=256, **KERNELS)
+        latency_model_for_run(path, TINY_CONFIG, device="cpu", max_length=1024, **KERNELS)
+        kept = latency_model_for_run(path, TINY_CONFIG, device="cpu", max_length=1024, profile=False, **KERNELS)
     assert [(kw["dtype"], kw["max_length"]) for kw in profiled] == [(torch.bfloat16, 256), (torch.float32, 1024)]
     assert kept.predict([200], 0.5) == pytest.approx(model.predict([200], 0.5))  # shorter, but better than a prior
     said = [record.getMessage() for record in caplog.records]
@@ -118,12 +120,12 @@ def test_run_start_profiles_again_for_other_selection_options(tiny_profile, monk
     profiled = []
     monkeypatch.setattr(
         "sparsebalance_pl.cost.profiler.profile_hardware",
-        lambda dims, **kw: profiled.append(kw["selection"]) or LatencyModel.analytic(dims, **KERNELS),
+        lambda config, **kw: profiled.append(kw["selection"]) or LatencyModel.analytic(TINY, **KERNELS),
     )
     quality = {"estimate": "sampled", "recall_probes": 1}
     with one_thread():
-        latency_model_for_run(path, TINY, device="cpu", max_length=256, selection=quality, **KERNELS)
-        latency_model_for_run(path, TINY, device="cpu", max_length=256, selection={"sink_blocks": 1}, **KERNELS)
+        latency_model_for_run(path, TINY_CONFIG, device="cpu", max_length=256, selection=quality, **KERNELS)
+        latency_model_for_run(path, TINY_CONFIG, device="cpu", max_length=256, selection={"sink_blocks": 1}, **KERNELS)
     assert profiled == [quality]  # the second asks for the defaults, which the table has
     bench = _KernelBench(TINY, torch.device("cpu"), torch.float32, 32, 8, quality)
     assert bench.options == selection_options(**quality)
@@ -141,18 +143,18 @@ def test_run_start_falls_back_to_the_prior_or_a_profile_for_bad_tables(tmp_path,
     path = tmp_path / "table.json"
     path.write_text("{corrupt")
     with caplog.at_level(logging.WARNING):
-        prior = latency_model_for_run(path, TINY, device="cpu", profile=False, **KERNELS)
+        prior = latency_model_for_run(path, TINY_CONFIG, device="cpu", profile=False, **KERNELS)
     assert prior.table.meta.source == "analytic"
     assert "not JSON" in caplog.text and "analytic prior" in caplog.text
 
     profiled = []
     monkeypatch.setattr(
         "sparsebalance_pl.cost.profiler.profile_hardware",
-        lambda dims, **kw: profiled.append(kw) or LatencyModel.analytic(dims, block_size=32, stride=8),
+        lambda config, **kw: profiled.append(kw) or LatencyModel.analytic(TINY, block_size=32, stride=8),
     )
     other = ModelDims(num_layers=3, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=128)
     LatencyModel.analytic(other, **KERNELS).save(path)
-    latency_model_for_run(path, TINY, device="cpu", **KERNELS)
+    latency_model_for_run(path, TINY_CONFIG, device="cpu", **KERNELS)
     assert profiled and profiled[0]["output"] == path and profiled[0]["quick"]
     assert "num_layers: table 3 != model 2" in caplog.text
 
@@ -173,7 +175,7 @@ def test_whole_model_steps_that_run_out_of_memory_are_left_out_of_the_fit(monkey
     grid = ProfileGrid(lengths=(128, 256), densities=(0.5, 1.0), token_counts=(128, 512), repeats=1,
                        cell_seconds=0.2, model_steps=5, model_tokens=(128, 512))
     with caplog.at_level(logging.WARNING):
-        model = profile_hardware(TINY, grid=grid, progress=False, **KERNELS)
+        model = profile_hardware(TINY_CONFIG, grid=grid, progress=False, **KERNELS)
     assert "ran out of memory; left out of the fit" in caplog.text
     assert np.isfinite(model.table.meta.notes["model_step_error_fitted"])
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from sparsebalance_pl.cost import CostModel, LatencyModel, RecallPrices, SparsityReport, StepRecord
+from sparsebalance_pl.cost import CostModel, RecallPrices, SparsityReport, StepRecord
+from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.cost.recall import length_class, log_move
 from sparsebalance_pl.model import PRESETS
 
@@ -87,7 +88,7 @@ def test_a_class_measured_on_few_units_is_pulled_toward_the_pool_not_the_prior()
 
 def test_the_cost_model_learns_prices_from_steps_and_calibration_and_checkpoints_them():
     """Probes price density in steps where no rank moved, and a calibration pass prices before the first step."""
-    cost = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16))
+    cost = CostModel(LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16))
     cost.observe_attention([StepRecord([16384], _probed((-0.15, -0.045), (0.3, 0.06)))])
     # one probe of each (base density 0.3), the only class: shrunk toward the prior 1.0 by twice 0.05 units
     size = _size(0.3, 0.3)  # a cut to half and a raise to double are the same size
@@ -105,6 +106,6 @@ def test_the_cost_model_learns_prices_from_steps_and_calibration_and_checkpoints
     moved = SparsityReport([0.2] * 4, [0.85] * 4, [0.3], 0.1, base_density=[0.3] * 4, base_estimated_recall=[0.9] * 4)
     # the estimate, where recall is not measured
     assert moved.priced_moves() == [pytest.approx((0.3, -0.1, -0.05))]
-    restored = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16))
+    restored = CostModel(LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16))
     restored.load_state_dict(json.loads(json.dumps(cost.state_dict())))
     assert restored.recall_prices.prices([1024]) == (cut, raised)

@@ -29,7 +29,7 @@ from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.callbacks import DensityCalibration
 from sparsebalance_pl.errors import DataError
 from sparsebalance_pl.model import ModelConfig
-from sparsebalance_pl.module import SparseQwen
+from sparsebalance_pl.module import SparseCausalLM
 
 
 def test_length_prior_is_scaled_to_the_maximum():
@@ -289,15 +289,16 @@ def test_fresh_fit_calibrates_the_density_estimate_before_the_first_plan(tmp_pat
     assert Counter(np.floor(2 * np.log2(lengths)).astype(int).tolist()) == {b: min(2, c) for b, c in available.items()}
 
     torch.manual_seed(0)
-    module = SparseQwen(model=ModelConfig(preset="demo", overrides={"num_layers": 2, "hidden_size": 64}),
+    module = SparseCausalLM(model=ModelConfig(preset="demo", overrides={"num_layers": 2, "hidden_size": 64}),
                         attention=AttentionConfig(backend="sparse", block_size=16, stride=4, tau=0.9))
-    dm.connect(module.cost_model)
-    prior_costs = module.cost_model.document_costs(dm.lengths("train"))
+    cost_model = module.sparse_attention.cost_model
+    dm.connect(cost_model)
+    prior_costs = cost_model.document_costs(dm.lengths("train"))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
                         callbacks=[DensityCalibration()])
     with caplog.at_level(logging.INFO):
         trainer.fit(module, datamodule=dm)
-    assert module.cost_model.density.observed and f"calibrated on {len(lengths)} documents" in caplog.text
+    assert cost_model.density.observed and f"calibrated on {len(lengths)} documents" in caplog.text
     epoch, planned = dm.train_sampler.plan_costs
     assert epoch == 0 and not np.allclose(planned, prior_costs)

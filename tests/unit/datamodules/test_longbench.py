@@ -20,7 +20,7 @@ from sparsebalance_pl.errors import ConfigError, DataError
 from sparsebalance_pl.evaluation import greedy_generate, normalize_answer, qa_f1, qa_scores
 from sparsebalance_pl.metrics import CellMeans
 from sparsebalance_pl.model import ModelConfig
-from sparsebalance_pl.module import SparseQwen
+from sparsebalance_pl.module import SparseCausalLM
 
 TINY = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
 
@@ -95,7 +95,8 @@ def test_generation_stops_at_eos_or_the_token_limit():
 def test_packed_greedy_generation_matches_hugging_face_per_prompt():
     """Recomputing the packed stream per token gives what greedy decoding of each prompt alone gives."""
     torch.manual_seed(0)
-    module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY), attention=AttentionConfig(backend="dense"))
+    module = SparseCausalLM(model=ModelConfig(preset="demo", overrides=TINY),
+                            attention=AttentionConfig(backend="dense"))
     module.configure_model()
     module.eval()
     for name, weight in module.net.named_parameters():
@@ -177,7 +178,7 @@ def _test_scores(tmp_path, next_tokens=None) -> dict:
     )
     data.prepare_data = lambda: None  # the test splits are generated in memory; no training corpus needed
     torch.manual_seed(0)
-    module = SparseQwen(model=ModelConfig(preset="demo", overrides=TINY),
+    module = SparseCausalLM(model=ModelConfig(preset="demo", overrides=TINY),
                         attention=AttentionConfig(backend="sparse", block_size=16, stride=4, tau=0.9))
     if next_tokens is not None:
         module.greedy_next_tokens = next_tokens

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from sparsebalance_pl.balance import balance_efficiency
-from sparsebalance_pl.cost import CostModel, DensityEstimator, LatencyModel
+from sparsebalance_pl.cost import CostModel, DensityEstimator
+from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.datamodules import BatchingConfig, PaddingItem, SparsityAwareSampler
 from sparsebalance_pl.errors import ConfigError
 from sparsebalance_pl.model import PRESETS
@@ -13,7 +14,7 @@ LENGTHS = np.minimum(np.random.default_rng(0).lognormal(6.5, 1.2, 400).astype(np
 
 
 def _cost() -> CostModel:
-    latency = LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16)
+    latency = LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16)
     return CostModel(latency, DensityEstimator(block_size=64))
 
 

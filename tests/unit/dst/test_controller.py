@@ -4,11 +4,10 @@ its predictions cannot be trusted."""
 import numpy as np
 import pytest
 
-from sparsebalance_pl.callbacks.controller import DSTController, confidence
-from sparsebalance_pl.cost import (
-    CostModel, DensityEstimator, LatencyModel, SparsityReport, StepRecord,
-)
+from sparsebalance_pl.cost import CostModel, DensityEstimator, SparsityReport, StepRecord
+from sparsebalance_pl.dst import DSTController, confidence
 from sparsebalance_pl.kernels import LayerBudget
+from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.model import PRESETS
 
 TAU0 = 0.9
@@ -19,7 +18,8 @@ MIXED = [[8192], [4096, 2048], [4096, 1024, 1024], [2048] * 3]
 
 
 def _cost(error: float) -> CostModel:
-    cost = CostModel(LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16), DensityEstimator(block_size=64))
+    latency = LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16)
+    cost = CostModel(latency, DensityEstimator(block_size=64))
     cost.error = error
     return cost
 

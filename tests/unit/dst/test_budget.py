@@ -5,7 +5,7 @@ import pytest
 
 from sparsebalance_pl.kernels.selection import LayerBudget
 from sparsebalance_pl.balance import imbalance
-from sparsebalance_pl.callbacks.budget import (
+from sparsebalance_pl.dst import (
     adaptive_anchor,
     anchor_time,
     outlook,
@@ -26,7 +26,7 @@ LONG, SHORT = [4096], [512] * 8  # same tokens, very different attention work
 
 @pytest.fixture(scope="module")
 def model():
-    return LatencyModel.analytic(PRESETS["demo"], block_size=64, stride=16)
+    return LatencyModel.analytic(PRESETS["demo"].dims, block_size=64, stride=16)
 
 
 def _views(model, p, density=0.9):
