@@ -386,6 +386,8 @@ class SparseAttention:
         step: Callable[[list[int]], object],
         *,
         max_length: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
         output: str | Path | None = None,
         **settings: Any,
     ) -> LatencyModel:
@@ -393,14 +395,15 @@ class SparseAttention:
 
         ``step(lengths)`` runs the module's forward and backward on one micro-batch of documents of those lengths
         (the device synchronised after it on a GPU); ``max_length`` is the longest document the table must reach.
-        Attention and selection are timed with the real kernels at these ``dims`` and this ``config``, the rest
-        from the module's own steps (``sparsebalance_pl.cost.profiler.profile_module``, which takes ``settings``).
+        Attention and selection are timed with the real kernels at these ``dims`` and this ``config`` on
+        ``device`` in ``dtype``, the rest from the module's own steps
+        (``sparsebalance_pl.cost.profiler.profile_module``, which takes ``settings``).
         """
-        from sparsebalance_pl.cost.profiler import profile_module  # the profiler builds on this module
+        # imported here: the profiler builds on this module
+        from sparsebalance_pl.cost.profiler import KernelSettings, profile_module
 
-        cfg = self.config
-        model = profile_module(self.dims, step, block_size=cfg.block_size, stride=cfg.stride, max_length=max_length,
-                               selection=cfg.selection_options(), output=output, **settings)
+        kernels = KernelSettings.of(self.config, device, dtype)
+        model = profile_module(self.dims, step, kernels, max_length=max_length, output=output, **settings)
         self.cost_model.latency = model
         return model
 

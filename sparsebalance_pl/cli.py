@@ -31,7 +31,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from sparsebalance_pl.cost.profiler import profile_hardware, training_dtype
+from sparsebalance_pl.cost.profiler import KernelSettings, profile_hardware, training_dtype
 from sparsebalance_pl.context_parallel import context_parallel_groups
 from sparsebalance_pl.convert import convert
 from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
@@ -177,17 +177,9 @@ def profile(
     if output is None:
         raise ConfigError("main.py profile needs --output or model.latency_table in the configuration")
     device = device or _device_of(trainer.accelerator)
-    attention = model.sparse_attention.config
+    kernels = KernelSettings.of(model.sparse_attention.config, device, training_dtype(trainer.precision, device))
     profile_hardware(
-        model.model_config.hf_config(),
-        device=device,
-        dtype=training_dtype(trainer.precision, device),
-        block_size=attention.block_size,
-        stride=attention.stride,
-        selection=attention.selection_options(),
-        quick=not full,
-        max_length=data.batching.max_tokens,
-        output=output,
+        model.model_config.hf_config(), kernels, quick=not full, max_length=data.batching.max_tokens, output=output
     )
     print(f"latency table written to {output}")
     return Path(output)

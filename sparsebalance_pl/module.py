@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, SparseAttention
 from sparsebalance_pl.context_parallel import ContextParallel
 from sparsebalance_pl.cost.latency import LatencyModel
-from sparsebalance_pl.cost.profiler import latency_model_for_run, training_dtype
+from sparsebalance_pl.cost.profiler import KernelSettings, latency_model_for_run, training_dtype
 from sparsebalance_pl.datamodules.packing import collate_packed, stripe_packed
 from sparsebalance_pl.distributed import all_ranks, gather_floats, gather_objects
 from sparsebalance_pl.errors import ConfigError, TrainingError
@@ -149,20 +149,17 @@ class SparseCausalLM(L.LightningModule):
         With profiling on, rank 0 profiles and saves the table while the others wait, then every rank loads
         the same file, so all ranks start from identical predictions.
         """
-        cfg = self.sparse_attention.config
         device = self.trainer.strategy.root_device
-        settings = dict(
-            device=device, dtype=training_dtype(self.trainer.precision, device), block_size=cfg.block_size,
-            stride=cfg.stride, max_length=self.dims.max_position_embeddings, progress=False,
-            selection=cfg.selection_options(),
-        )
+        dtype = training_dtype(self.trainer.precision, device)
+        kernels = KernelSettings.of(self.sparse_attention.config, device, dtype)
+        settings = dict(max_length=self.dims.max_position_embeddings, progress=False)
         config = self.model_config.hf_config()
         if self.latency_profile and self.trainer.world_size > 1:
             if self.trainer.is_global_zero:
-                latency_model_for_run(self.latency_table, config, profile=True, **settings)
+                latency_model_for_run(self.latency_table, config, kernels, profile=True, **settings)
             self.trainer.strategy.barrier("latency_profile")
         profile = self.latency_profile and self.trainer.world_size == 1
-        return latency_model_for_run(self.latency_table, config, profile=profile, **settings)
+        return latency_model_for_run(self.latency_table, config, kernels, profile=profile, **settings)
 
     def begin_micro_batch(self, batch: dict, measure_recall: bool = False) -> SparseAttention:
         """The sparse attention, its micro-batch begun for ``batch``: at the tuned budgets in training and the base

@@ -31,10 +31,10 @@ import logging
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -52,6 +52,7 @@ from sparsebalance_pl.progress import LoggedProgress
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "KernelSettings",
     "ModelStep",
     "ProfileGrid",
     "device_name",
@@ -66,6 +67,39 @@ NOOP_ATTENTION = "sparsebalance_profile_noop"
 #: Documents in the packed stream that decides the selection scope.
 SCOPE_DOCS = 8
 Clock = Literal["wall", "cpu"]
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """What a latency table times and where: the device and dtype, and the attention kernels' block size,
+    selection stride and selection options. A table fits a run only for the settings it was measured with, so
+    the profiler, the table's lookup and the prior all take them as this one object, built from the run's
+    ``AttentionConfig`` by ``of``.
+
+    Args:
+        device: where the kernels run.
+        dtype: what they compute in (``training_dtype`` of the run's precision).
+        block_size: tokens per block of selection and sparse attention.
+        stride: antidiagonal scoring stride of the selection.
+        selection: the selection's keyword options (``kernels.selection.SELECTION_OPTIONS`` keys; the rest
+            take their defaults), with which selection is timed.
+    """
+
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype = torch.float32
+    block_size: int = 64
+    stride: int = 16
+    selection: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", torch.device(self.device))
+        object.__setattr__(self, "selection", selection_options(**self.selection))
+
+    @classmethod
+    def of(cls, attention: AttentionConfig, device: torch.device | str = "cpu",
+           dtype: torch.dtype = torch.float32) -> KernelSettings:
+        """The settings of a run that attends with ``attention`` on ``device`` in ``dtype``."""
+        return cls(device, dtype, attention.block_size, attention.stride, attention.selection_options())
 
 
 def _noop_attention(module, query, key, value, attention_mask, **kwargs):
@@ -218,37 +252,35 @@ class _KernelBench:
     """Timed workloads of the attention kernels: random q, k, v of the attention shape (heads, KV heads, head
     dimension in ``cost_dims``) on the device, whatever model they come from."""
 
-    def __init__(self, dims, device: torch.device, dtype: torch.dtype, block_size: int, stride: int,
-                 selection: dict | None = None):
+    def __init__(self, dims, kernels: KernelSettings):
         self.shape = shape = cost_dims(dims)
         self.heads, self.kv_heads, self.head_dim = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
-        self.device, self.dtype = device, dtype
-        self.block_size, self.stride = block_size, stride
-        self.options = selection_options(**(selection or {}))  # the selection's options (not ``selection()``)
+        self.kernels = kernels
 
     def _qkv(self, tokens: int, grad: bool) -> tuple[torch.Tensor, ...]:
         shapes = (self.heads, self.kv_heads, self.kv_heads)
+        device, dtype = self.kernels.device, self.kernels.dtype
         return tuple(
-            torch.randn(tokens, h, self.head_dim, device=self.device, dtype=self.dtype, requires_grad=grad)
-            for h in shapes
+            torch.randn(tokens, h, self.head_dim, device=device, dtype=dtype, requires_grad=grad) for h in shapes
         )
 
     def _cu_seqlens(self, tokens: int, docs: int = 1) -> torch.Tensor:
-        return torch.linspace(0, tokens, docs + 1, device=self.device).round().to(torch.int32)
+        return torch.linspace(0, tokens, docs + 1, device=self.kernels.device).round().to(torch.int32)
 
     def attention(self, length: int, density: float, docs: int = 1) -> Callable[[], None]:
         from sparsebalance_pl.kernels import block_sparse_attention, select_blocks
 
         q, k, v = self._qkv(length, grad=True)
         cu = self._cu_seqlens(length, docs)
+        block_size = self.kernels.block_size
         mask = select_blocks(
-            q.detach(), k.detach(), cu, block_size=self.block_size, tau=1.0, stride=self.stride,
+            q.detach(), k.detach(), cu, block_size=block_size, tau=1.0, stride=self.kernels.stride,
             max_density=None if density >= 1.0 else density,
         )
         grad_out = torch.randn_like(q)
 
         def run() -> None:
-            out = block_sparse_attention(q, k, v, mask, cu, block_size=self.block_size)
+            out = block_sparse_attention(q, k, v, mask, cu, block_size=block_size)
             out.backward(grad_out)
             q.grad = k.grad = v.grad = None
 
@@ -259,29 +291,30 @@ class _KernelBench:
 
         q, k, _ = self._qkv(tokens, grad=False)
         cu = self._cu_seqlens(tokens, docs)
-        return lambda: select_blocks(q, k, cu, block_size=self.block_size, tau=0.9, stride=self.stride,
-                                     **self.options)
+        kernels = self.kernels
+        return lambda: select_blocks(q, k, cu, block_size=kernels.block_size, tau=0.9, stride=kernels.stride,
+                                     **kernels.selection)
 
 
 class _ModelBench(_KernelBench):
     """The kernels' workloads, and the rest of a layer and the head of a model of ``config``'s family, on inputs
     of its shapes."""
 
-    def __init__(self, config: PretrainedConfig, device: torch.device, dtype: torch.dtype, block_size: int,
-                 stride: int, selection: dict | None = None):
+    def __init__(self, config: PretrainedConfig, kernels: KernelSettings):
         dims = ModelDims.from_hf_config(config)
-        super().__init__(dims, device, dtype, block_size, stride, selection)
+        super().__init__(dims, kernels)
         self.dims = dims
         one_layer = copy.deepcopy(config)
         one_layer.num_hidden_layers = 1
         if getattr(one_layer, "layer_types", None):
             one_layer.layer_types = one_layer.layer_types[:1]
-        self.model = build_model(one_layer, NOOP_ATTENTION, device).to(dtype)
+        self.model = build_model(one_layer, NOOP_ATTENTION, kernels.device).to(kernels.dtype)
 
     def layer_rest(self, tokens: int) -> Callable[[], None]:
         """One decoder layer (and the final norm) with a no-op attention core."""
-        x = torch.randn(1, tokens, self.dims.hidden_size, device=self.device, dtype=self.dtype, requires_grad=True)
-        positions = torch.arange(tokens, device=self.device)[None]
+        device, dtype = self.kernels.device, self.kernels.dtype
+        x = torch.randn(1, tokens, self.dims.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        positions = torch.arange(tokens, device=device)[None]
         decoder = self.model.get_decoder()
 
         def run() -> None:
@@ -293,7 +326,7 @@ class _ModelBench(_KernelBench):
 
     def head(self, tokens: int) -> Callable[[], None]:
         """The embedding, and the LM head with the chunked loss."""
-        ids = torch.randint(0, self.dims.vocab_size, (tokens,), device=self.device)
+        ids = torch.randint(0, self.dims.vocab_size, (tokens,), device=self.kernels.device)
         embedding, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
 
         def run() -> None:
@@ -305,17 +338,15 @@ class _ModelBench(_KernelBench):
 
 
 class ModelStep:
-    """Forward+backward of the whole model as training runs it (``PackedCausalLM``: sparse attention at tau 1
-    with the density capped, chunked loss) on packed micro-batches of random tokens."""
+    """Forward+backward of the whole model of ``config`` as training runs it (``PackedCausalLM``: sparse attention
+    with ``kernels`` at tau 1 with the density capped, chunked loss) on packed micro-batches of random tokens."""
 
-    def __init__(self, config: PretrainedConfig, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, block_size: int = 64, stride: int = 16,
-                 selection: dict | None = None) -> None:
-        self.device = torch.device(device)
-        self.net = PackedCausalLM(build_model(config, ATTN_IMPLEMENTATION), loss_chunk_tokens=4096).to(self.device,
-                                                                                                       dtype)
-        attention = AttentionConfig(backend="sparse", block_size=block_size, stride=stride, tau=1.0,
-                                    **(selection or {}))
+    def __init__(self, config: PretrainedConfig, kernels: KernelSettings = KernelSettings()) -> None:
+        self.device = kernels.device
+        hf_model = build_model(config, ATTN_IMPLEMENTATION)
+        self.net = PackedCausalLM(hf_model, loss_chunk_tokens=4096).to(self.device, kernels.dtype)
+        attention = AttentionConfig(backend="sparse", block_size=kernels.block_size, stride=kernels.stride, tau=1.0,
+                                    **kernels.selection)
         self.dims = ModelDims.from_hf_config(config)
         self.sparse_attention = SparseAttention(self.dims, attention)
 
@@ -340,11 +371,8 @@ class ModelStep:
 
 def profile_hardware(
     config: PretrainedConfig,
+    kernels: KernelSettings = KernelSettings(),
     *,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    block_size: int = 64,
-    stride: int = 16,
     quick: bool = True,
     max_length: int = 8192,
     grid: ProfileGrid | None = None,
@@ -352,16 +380,14 @@ def profile_hardware(
     seed: int = 0,
     output: str | Path | None = None,
     clock: Clock = "wall",
-    selection: dict | None = None,
 ) -> LatencyModel:
-    """Profile this device for a model of ``config`` (its Hugging Face configuration, any supported family) and
-    return the fitted ``LatencyModel`` (saved to ``output``).
+    """Profile this device for a model of ``config`` (its Hugging Face configuration, any supported family) with
+    ``kernels`` (the run's, ``KernelSettings.of``) and return the fitted ``LatencyModel`` (saved to ``output``).
 
     ``grid`` overrides the quick (``quick=True``) or full grid up to ``max_length`` tokens per document;
-    ``clock`` as in the module docstring; ``selection``: the selection options training uses
-    (``AttentionConfig.selection_options()``), with which selection is timed.
+    ``clock`` as in the module docstring.
     """
-    device = torch.device(device)
+    device = kernels.device
     check_clock(clock, device)
     grid = grid or (ProfileGrid.quick(max_length) if quick else ProfileGrid.full(max_length))
     cells, scope_tokens = _kernel_cells(grid)
@@ -370,9 +396,8 @@ def profile_hardware(
     step_batches = grid.model_step_batches(seed)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        bench = _ModelBench(config, device, dtype, block_size, stride, selection)
-        kernels = dict(device=device, dtype=dtype, block_size=block_size, stride=stride, selection=selection)
-        whole = ModelStep(config, **kernels) if grid.model_steps else None
+        bench = _ModelBench(config, kernels)
+        whole = ModelStep(config, kernels) if grid.model_steps else None
         workloads = {
             "layer": lambda n, _: bench.layer_rest(n),
             "head": lambda n, _: bench.head(n),
@@ -397,30 +422,26 @@ def profile_hardware(
 def profile_module(
     dims: dict,
     step: Callable[[list[int]], object],
+    kernels: KernelSettings = KernelSettings(),
     *,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    block_size: int = 64,
-    stride: int = 16,
     max_length: int = 8192,
     grid: ProfileGrid | None = None,
     progress: bool = True,
     seed: int = 0,
     output: str | Path | None = None,
     clock: Clock = "wall",
-    selection: dict | None = None,
 ) -> LatencyModel:
     """Profile this device for a module of any architecture that attends with SparseBalance's kernels.
 
     ``dims`` names the cost-relevant dimensions (``num_layers``, ``hidden_size``, ``num_heads``,
     ``num_kv_heads``, ``head_dim``, ``intermediate_size``, ``vocab_size``); ``step(lengths)`` runs the module's
     forward and backward on one micro-batch of documents of those lengths (the device synchronised after it on
-    a GPU). Attention and selection are measured with the real kernels at the module's attention shape, as
-    ``profile_hardware`` does; everything else comes from the module's own steps on streams of short documents
-    (whose attention is nearly dense at any budget): the time left after their predicted attention and
-    selection, fitted to a line in the token count, is the per-token cost and the fixed cost per step.
+    a GPU). Attention and selection are measured with the real kernels (``kernels``) at the module's attention
+    shape, as ``profile_hardware`` does; everything else comes from the module's own steps on streams of short
+    documents (whose attention is nearly dense at any budget): the time left after their predicted attention
+    and selection, fitted to a line in the token count, is the per-token cost and the fixed cost per step.
     """
-    device = torch.device(device)
+    device = kernels.device
     check_clock(clock, device)
     grid = grid or ProfileGrid.quick(max_length)
     short = grid.lengths[0]
@@ -428,7 +449,7 @@ def profile_module(
     cells += [("step", n, None) for n in grid.token_counts]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        bench = _KernelBench(dims, device, dtype, block_size, stride, selection)
+        bench = _KernelBench(dims, kernels)
         workloads = {"step": lambda n, _: lambda: step([short] * max(n // short, 1))}
         with measure_contention(_cores_used(device)) as contention:
             times, spread = _measure(cells, bench, workloads, grid, device, clock, progress, seed)
@@ -543,17 +564,18 @@ def _table(
     attention = np.array([[times[("attention", n, rho)] for rho in grid.densities] for n in grid.lengths])
     saved = SCOPE_DOCS * times[("attention", short, 1.0)] - times[("attention", SCOPE_DOCS * short, 1.0, SCOPE_DOCS)]
     call = min(max(saved / (SCOPE_DOCS - 1), 0.0), 0.9 * attention.min())  # every document still costs time
+    kernels = bench.kernels
     meta = TableMeta(
         dims=bench.shape,
-        block_size=bench.block_size,
-        stride=bench.stride,
-        device=device_name(bench.device),
-        dtype=_name(bench.dtype),
+        block_size=kernels.block_size,
+        stride=kernels.stride,
+        device=device_name(kernels.device),
+        dtype=_name(kernels.dtype),
         versions=library_versions(),
         source="profile",
         notes={"grid": grid.__dict__, "clock": clock, "selection_packed_vs_single": packed / one_doc,
                "attention_call_seconds": float(call), **notes},
-        selection=bench.options,
+        selection=kernels.selection,
     )
     return LatencyTable(
         meta=meta,
@@ -594,17 +616,13 @@ def _line(seconds: list[float], counts: np.ndarray) -> tuple[float, float]:
 def latency_model_for_run(
     path: str | Path,
     config: PretrainedConfig,
+    kernels: KernelSettings,
     *,
-    device: torch.device | str,
-    dtype: torch.dtype = torch.float32,
-    block_size: int = 64,
-    stride: int = 16,
     profile: bool = True,
     max_length: int = 8192,
     progress: bool = True,
-    selection: dict | None = None,
 ) -> LatencyModel:
-    """The latency model a training run starts from; never raises for a bad table.
+    """The latency model a training run with ``kernels`` starts from; never raises for a bad table.
 
     Uses the table at ``path`` when it fits the model and kernels, was measured on this device in this
     dtype and reaches documents of ``max_length`` tokens; otherwise runs the quick profile up to ``max_length``
@@ -612,11 +630,11 @@ def latency_model_for_run(
     device or of shorter lengths (extrapolated), or else the analytic prior. Online calibration corrects any
     of them from measured times.
     """
-    device = torch.device(device)
-    here = device_name(device)
+    here = device_name(kernels.device)
     dims = ModelDims.from_hf_config(config)
-    model = LatencyModel.load_or_none(path, dims, block_size=block_size, stride=stride, selection=selection or {})
-    unfit = None if model is None else _unfit(model, here, _name(dtype), max_length)
+    matched = dict(block_size=kernels.block_size, stride=kernels.stride, selection=kernels.selection)
+    model = LatencyModel.load_or_none(path, dims, **matched)
+    unfit = None if model is None else _unfit(model, here, _name(kernels.dtype), max_length)
     if model is not None and (unfit is None or not profile):
         if unfit is not None:
             log.warning("latency table %s %s: using it, online calibration will correct it", path, unfit)
@@ -625,14 +643,11 @@ def latency_model_for_run(
     if profile:
         log.warning("%sprofiling the latency table for %s into %s (quick grid)",
                     "" if unfit is None else f"latency table {path} {unfit}: ", here, path)
-        return profile_hardware(
-            config, device=device, dtype=dtype, block_size=block_size, stride=stride, quick=True,
-            max_length=max_length, progress=progress, output=path, selection=selection,
-        )
+        return profile_hardware(config, kernels, quick=True, max_length=max_length, progress=progress, output=path)
     log.warning("no usable latency table at %s and profiling is off: using the analytic prior", path)
-    throughput = 5e10 if device.type == "cpu" else (2e14 if dtype in (torch.float16, torch.bfloat16) else 4e13)
-    return LatencyModel.analytic(dims, block_size=block_size, stride=stride, flops_per_second=throughput, device=here,
-                                 dtype=_name(dtype), selection=selection)
+    half = kernels.dtype in (torch.float16, torch.bfloat16)
+    throughput = 5e10 if kernels.device.type == "cpu" else (2e14 if half else 4e13)
+    return LatencyModel.analytic(dims, flops_per_second=throughput, device=here, dtype=_name(kernels.dtype), **matched)
 
 
 def _unfit(model: LatencyModel, device: str, dtype: str, max_length: int) -> str | None:

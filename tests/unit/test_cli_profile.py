@@ -42,9 +42,12 @@ def test_profile_stacks_configs_and_overrides_like_fit(tmp_path):
 )
 def test_profile_measures_where_and_how_the_trainer_trains(monkeypatch, tmp_path, trainer, device, dtype):
     seen = {}
-    monkeypatch.setattr(cli, "profile_hardware", lambda config, **settings: seen.update(settings, config=config))
+    monkeypatch.setattr(cli, "profile_hardware",
+                        lambda config, kernels, **settings: seen.update(settings, config=config, kernels=kernels))
     main(["profile", "--config", DEMO, *trainer, *SHORT, "--output", str(tmp_path / "table.json")])
-    assert (seen["device"], seen["dtype"], seen["max_length"]) == (device, dtype, 1024)
+    kernels = seen["kernels"]
+    assert (kernels.device, kernels.dtype, seen["max_length"]) == (torch.device(device), dtype, 1024)
+    assert (kernels.block_size, kernels.stride) == (64, 16)
     assert ModelDims.from_hf_config(seen["config"]) == PRESETS["demo"].dims and seen["quick"]
 
 

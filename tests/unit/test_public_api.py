@@ -20,8 +20,8 @@ PUBLIC_API = {
         "TIMED_TERMS", "observe_step",
     ],
     "sparsebalance_pl.cost.profiler": [
-        "ModelStep", "ProfileGrid", "device_name", "latency_model_for_run", "measure_seconds", "profile_hardware",
-        "profile_module", "training_dtype",
+        "KernelSettings", "ModelStep", "ProfileGrid", "device_name", "latency_model_for_run", "measure_seconds",
+        "profile_hardware", "profile_module", "training_dtype",
     ],
     "sparsebalance_pl.datamodules": [
         "BatchingConfig", "CapacityError", "CorpusConfig", "EvaluationConfig", "GlobalBatch", "LongContextDataModule",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sparsebalance_pl.cost.contention import TOLERATED_CORES, CpuContention, measure_contention
-from sparsebalance_pl.cost.profiler import device_name, latency_model_for_run
+from sparsebalance_pl.cost.profiler import KernelSettings, device_name, latency_model_for_run
 from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.model import ModelDims
 
@@ -51,7 +51,7 @@ def test_a_table_profiled_on_a_busy_machine_is_used_with_a_warning(tmp_path, cap
         path = model.save(tmp_path / f"{clock}_{other_cores}.json")
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            loaded = latency_model_for_run(path, dims.to_hf_config(), device="cpu", max_length=8192, block_size=32,
-                                           stride=8)
+            loaded = latency_model_for_run(path, dims.to_hf_config(), KernelSettings(block_size=32, stride=8),
+                                           max_length=8192)
         assert loaded.predict([512], 0.5) == pytest.approx(model.predict([512], 0.5))
         assert ("other work took 0.9 cores of its CPUs (0 left spare)" in caplog.text) == warned, caplog.text

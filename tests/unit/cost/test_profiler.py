@@ -12,6 +12,7 @@ import torch
 from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.model import ModelDims
 from sparsebalance_pl.cost.profiler import (
+    KernelSettings,
     ProfileGrid,
     latency_model_for_run,
     measure_seconds,
@@ -27,7 +28,8 @@ TINY_GRID = ProfileGrid(
     lengths=(128, 256), densities=(0.5, 1.0), token_counts=(128, 2048), repeats=2, cell_seconds=0.5,
     model_steps=3, model_tokens=(128, 512), passes=2,
 )
-KERNELS = dict(block_size=32, stride=8)
+KERNELS = KernelSettings(block_size=32, stride=8)
+BLOCKS = dict(block_size=32, stride=8)  # the same kernels, for the latency model's lookups and prior
 
 
 @contextmanager
@@ -45,7 +47,7 @@ def tiny_profile(tmp_path_factory):
     """Timed in CPU time on one thread, so other jobs on a shared machine cannot distort the tiny timings."""
     path = tmp_path_factory.mktemp("profile") / "table.json"
     with one_thread():
-        return path, profile_hardware(TINY_CONFIG, grid=TINY_GRID, progress=False, output=path, clock="cpu", **KERNELS)
+        return path, profile_hardware(TINY_CONFIG, KERNELS, grid=TINY_GRID, progress=False, output=path, clock="cpu")
 
 
 def test_tiny_profile_measures_every_part_and_describes_itself(tiny_profile):
@@ -64,11 +66,11 @@ def test_tiny_profile_measures_every_part_and_describes_itself(tiny_profile):
     scales = np.array(list(meta.notes["model_step_scales"].values()))
     assert scales.shape == (4,) and np.all(np.isfinite(scales)) and np.all(scales > 0)
     assert meta.notes["model_step_error_fitted"] >= 0 and meta.notes["attention_call_seconds"] >= 0
-    loaded = LatencyModel.from_file(path, TINY, **KERNELS)
+    loaded = LatencyModel.from_file(path, TINY, **BLOCKS)
     assert loaded.predict([100, 200], 0.7) == pytest.approx(model.predict([100, 200], 0.7))
     assert model.predict([256], 1.0) > model.predict([128], 1.0)
     with pytest.raises(ValueError, match="set_num_threads"):
-        profile_hardware(TINY_CONFIG, grid=TINY_GRID, progress=False, clock="cpu", **KERNELS)  # with 2 threads
+        profile_hardware(TINY_CONFIG, KERNELS, grid=TINY_GRID, progress=False, clock="cpu")  # with 2 threads
 
 
 def test_measure_seconds_takes_the_fastest_run_after_a_warm_up():
@@ -89,7 +91,7 @@ def test_run_start_uses_a_fitting_table_without_profiling(tiny_profile, monkeypa
     path, model = tiny_profile
     monkeypatch.setattr("sparsebalance_pl.cost.profiler.profile_hardware", pytest.fail)
     with one_thread():  # the device the table names
-        loaded = latency_model_for_run(path, TINY_CONFIG, device="cpu", max_length=256, **KERNELS)
+        loaded = latency_model_for_run(path, TINY_CONFIG, KERNELS, max_length=256)
     assert loaded.predict([200], 0.5) == pytest.approx(model.predict([200], 0.5))
 
 
@@ -98,13 +100,14 @@ def test_run_start_profiles_again_for_another_dtype_or_longer_documents(tiny_pro
     profiled = []
     monkeypatch.setattr(
         "sparsebalance_pl.cost.profiler.profile_hardware",
-        lambda config, **kw: profiled.append(kw) or LatencyModel.analytic(TINY, **KERNELS),
+        lambda config, kernels, **kw: profiled.append((kernels, kw)) or LatencyModel.analytic(TINY, **BLOCKS),
     )
+    half = dataclasses.replace(KERNELS, dtype=torch.bfloat16)
     with one_thread(), caplog.at_level(logging.WARNING):
-        latency_model_for_run(path, TINY_CONFIG, device="cpu", dtype=torch.bfloat16, max_length=256, **KERNELS)
-        latency_model_for_run(path, TINY_CONFIG, device="cpu", max_length=1024, **KERNELS)
-        kept = latency_model_for_run(path, TINY_CONFIG, device="cpu", max_length=1024, profile=False, **KERNELS)
-    assert [(kw["dtype"], kw["max_length"]) for kw in profiled] == [(torch.bfloat16, 256), (torch.float32, 1024)]
+        latency_model_for_run(path, TINY_CONFIG, half, max_length=256)
+        latency_model_for_run(path, TINY_CONFIG, KERNELS, max_length=1024)
+        kept = latency_model_for_run(path, TINY_CONFIG, KERNELS, max_length=1024, profile=False)
+    assert [(k.dtype, kw["max_length"]) for k, kw in profiled] == [(torch.bfloat16, 256), (torch.float32, 1024)]
     assert kept.predict([200], 0.5) == pytest.approx(model.predict([200], 0.5))  # shorter, but better than a prior
     said = [record.getMessage() for record in caplog.records]
     assert "in float32, this run is on" in said[0] and "in bfloat16: profiling the latency table" in said[0]
@@ -120,15 +123,16 @@ def test_run_start_profiles_again_for_other_selection_options(tiny_profile, monk
     profiled = []
     monkeypatch.setattr(
         "sparsebalance_pl.cost.profiler.profile_hardware",
-        lambda config, **kw: profiled.append(kw["selection"]) or LatencyModel.analytic(TINY, **KERNELS),
+        lambda config, kernels, **kw: profiled.append(kernels.selection) or LatencyModel.analytic(TINY, **BLOCKS),
     )
     quality = {"estimate": "sampled", "recall_probes": 1}
     with one_thread():
-        latency_model_for_run(path, TINY_CONFIG, device="cpu", max_length=256, selection=quality, **KERNELS)
-        latency_model_for_run(path, TINY_CONFIG, device="cpu", max_length=256, selection={"sink_blocks": 1}, **KERNELS)
-    assert profiled == [quality]  # the second asks for the defaults, which the table has
-    bench = _KernelBench(TINY, torch.device("cpu"), torch.float32, 32, 8, quality)
-    assert bench.options == selection_options(**quality)
+        latency_model_for_run(path, TINY_CONFIG, dataclasses.replace(KERNELS, selection=quality), max_length=256)
+        latency_model_for_run(path, TINY_CONFIG, dataclasses.replace(KERNELS, selection={"sink_blocks": 1}),
+                              max_length=256)
+    assert profiled == [selection_options(**quality)]  # the second asks for the defaults, which the table has
+    bench = _KernelBench(TINY, dataclasses.replace(KERNELS, selection=quality))
+    assert bench.kernels.selection == selection_options(**quality)
 
 
 @pytest.mark.parametrize("precision, device, dtype", [
@@ -143,18 +147,18 @@ def test_run_start_falls_back_to_the_prior_or_a_profile_for_bad_tables(tmp_path,
     path = tmp_path / "table.json"
     path.write_text("{corrupt")
     with caplog.at_level(logging.WARNING):
-        prior = latency_model_for_run(path, TINY_CONFIG, device="cpu", profile=False, **KERNELS)
+        prior = latency_model_for_run(path, TINY_CONFIG, KERNELS, profile=False)
     assert prior.table.meta.source == "analytic"
     assert "not JSON" in caplog.text and "analytic prior" in caplog.text
 
     profiled = []
     monkeypatch.setattr(
         "sparsebalance_pl.cost.profiler.profile_hardware",
-        lambda config, **kw: profiled.append(kw) or LatencyModel.analytic(TINY, block_size=32, stride=8),
+        lambda config, kernels, **kw: profiled.append(kw) or LatencyModel.analytic(TINY, **BLOCKS),
     )
     other = ModelDims(num_layers=3, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=128)
-    LatencyModel.analytic(other, **KERNELS).save(path)
-    latency_model_for_run(path, TINY_CONFIG, device="cpu", **KERNELS)
+    LatencyModel.analytic(other, **BLOCKS).save(path)
+    latency_model_for_run(path, TINY_CONFIG, KERNELS)
     assert profiled and profiled[0]["output"] == path and profiled[0]["quick"]
     assert "num_layers: table 3 != model 2" in caplog.text
 
@@ -175,7 +179,7 @@ def test_whole_model_steps_that_run_out_of_memory_are_left_out_of_the_fit(monkey
     grid = ProfileGrid(lengths=(128, 256), densities=(0.5, 1.0), token_counts=(128, 512), repeats=1,
                        cell_seconds=0.2, model_steps=5, model_tokens=(128, 512))
     with caplog.at_level(logging.WARNING):
-        model = profile_hardware(TINY_CONFIG, grid=grid, progress=False, **KERNELS)
+        model = profile_hardware(TINY_CONFIG, KERNELS, grid=grid, progress=False)
     assert "ran out of memory; left out of the fit" in caplog.text
     assert np.isfinite(model.table.meta.notes["model_step_error_fitted"])
 
@@ -195,8 +199,8 @@ def _module_step(dims: dict):
         k, v = (torch.randn(tokens, dims["num_kv_heads"], dims["head_dim"], requires_grad=True) for _ in range(2))
         total = 0
         for _ in range(dims["num_layers"]):
-            mask = select_blocks(q.detach(), k.detach(), cu, tau=1.0, **KERNELS)
-            out = block_sparse_attention(q, k, v, mask, cu, block_size=KERNELS["block_size"])
+            mask = select_blocks(q.detach(), k.detach(), cu, tau=1.0, **BLOCKS)
+            out = block_sparse_attention(q, k, v, mask, cu, block_size=KERNELS.block_size)
             total = total + (out.reshape(tokens, -1)[:, :hidden] @ weight).sum()
         total.backward()
 
@@ -217,7 +221,7 @@ def test_profile_module_measures_a_module_of_its_own():
     tries = []
     for _ in range(2):
         with one_thread():
-            model = profile_module(dims, step, grid=grid, progress=False, clock="cpu", **KERNELS)
+            model = profile_module(dims, step, KERNELS, grid=grid, progress=False, clock="cpu")
             measured = measure_seconds(lambda: step(lengths), device=torch.device("cpu"), repeats=3, budget=2.0,
                                        clock="cpu")
         meta = model.table.meta
