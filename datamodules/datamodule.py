@@ -317,25 +317,24 @@ class LongContextDataModule(L.LightningDataModule):
         directory = self.data_dir / split
         return PlanItems(litdata.StreamingDataset(str(directory)), len(self.lengths(split)), self.vocab_size, directory)
 
-    def train_plan(self, num_ranks: int, rank: int, **resume) -> SparsityAwareSampler:
+    def train_plan(self, num_ranks: int, rank: int) -> SparsityAwareSampler:
         """The training batch sampler of ``rank`` among ``num_ranks``, planned for context-parallel groups when
         the strategy has them (``slot_batching``); its ``plan()`` holds every rank's micro-batches, which an
         emulation of many ranks in one process runs itself."""
         self.slot_batching()  # checks that the documents fit
         return SparsityAwareSampler(self.lengths("train"), self.batching, cost_model=self.cost_model, seed=self.seed,
                                     num_replicas=num_ranks, rank=rank,
-                                    context_parallel_size=self._context_parallel_size(), **resume)
+                                    context_parallel_size=self._context_parallel_size())
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         lengths = self.lengths(split)
         num_ranks, rank = self._ranks()
         if train:
             self._check_ranks_agree(lengths)
-            resume = self._resume or {"epoch": 0, "batches_consumed": 0}
+            sampler = self.train_plan(num_ranks, rank)
+            if self._resume:
+                sampler.load_state_dict(self._resume)
             self._resume = None
-            sampler = self.train_plan(num_ranks, rank, epoch=resume["epoch"], skip=resume["batches_consumed"],
-                                      planned_costs=resume.get("plan_costs"),
-                                      planned_step_overhead=resume.get("plan_step_overhead"))
             self.train_sampler = sampler
         else:
             size = self._context_parallel_size()
@@ -417,24 +416,18 @@ class LongContextDataModule(L.LightningDataModule):
         )
 
     def state_dict(self) -> dict:
-        """Where the training stream stands: the epoch and the micro-batches this rank has consumed in it.
+        """Where the training stream stands: the training sampler's state (the epoch and what its plan was made
+        with) and the micro-batches this rank has consumed in that epoch.
 
         Counted from the fit loop's processed batches, not from the sampler, which runs ahead of training
         when batches are prefetched. (Processed, not completed: a checkpoint saved in ``on_train_batch_end``
         is taken after the batch was trained on but before the loop counts it as completed.)
         """
-        trainer = self.trainer
-        if trainer is None:
+        trainer, sampler = self.trainer, self.train_sampler
+        if trainer is None or sampler is None:
             return {}
-        state = {
-            "epoch": trainer.current_epoch,
-            "batches_consumed": trainer.fit_loop.epoch_loop.batch_progress.current.processed,
-        }
-        sampler = self.train_sampler
-        if sampler is not None and sampler.plan_costs is not None and sampler.plan_costs[0] == trainer.current_epoch:
-            state["plan_costs"] = sampler.plan_costs[1].tolist()
-            state["plan_step_overhead"] = sampler.plan_step_overhead
-        return state
+        consumed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return {**sampler.state_dict(), "batches_consumed": consumed}
 
     def load_state_dict(self, state: dict) -> None:
         self._resume = dict(state) if state else None

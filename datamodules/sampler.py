@@ -14,9 +14,9 @@ by a ``SharedStream`` item, which the group trains block-striped with ring atten
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -194,13 +194,18 @@ def _step(micro_batches: list[list[list]], lengths: np.ndarray, costs: np.ndarra
 
 
 class PlannedBatchSampler(Sampler[list]):
-    """Yields this rank's micro-batches of the current epoch's plan; a resumed epoch starts at ``skip``."""
+    """Yields this rank's micro-batches of the current epoch's plan.
 
-    def __init__(self, plan_fn: Callable[[int], EpochPlan], *, rank: int, epoch: int = 0, skip: int = 0) -> None:
+    Resume through ``state_dict``/``load_state_dict``: the state is the epoch (``set_epoch``); where training
+    stood in it is the training loop's count, not the sampler's, which runs ahead of training when batches are
+    prefetched, so ``load_state_dict`` takes it as ``batches_consumed`` beside the state.
+    """
+
+    def __init__(self, plan_fn: Callable[[int], EpochPlan], *, rank: int) -> None:
         self.plan_fn = plan_fn
         self.rank = rank
-        self.epoch = epoch
-        self.skip = skip
+        self.epoch = 0
+        self.resume_at: tuple[int, int] | None = None  # (epoch, micro-batches of it consumed) until it is iterated
         self._plan: EpochPlan | None = None
 
     def set_epoch(self, epoch: int) -> None:
@@ -213,8 +218,19 @@ class PlannedBatchSampler(Sampler[list]):
             self._plan = self.plan_fn(self.epoch)
         return self._plan
 
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue in ``state["epoch"]`` after its first ``state["batches_consumed"]`` micro-batches (0 if
+        absent); later epochs, and an epoch the loop moves on to before iterating this one, start at their
+        beginning."""
+        self.set_epoch(state["epoch"])
+        self.resume_at = (state["epoch"], state.get("batches_consumed", 0))
+
     def __iter__(self) -> Iterator[list]:
-        skip, self.skip = self.skip, 0  # only the resumed epoch skips the micro-batches already consumed
+        resume, self.resume_at = self.resume_at, None
+        skip = resume[1] if resume is not None and resume[0] == self.epoch else 0
         mine = (mb for step in self.plan() for mb in step.micro_batches[self.rank])
         for position, micro_batch in enumerate(mine):
             if position >= skip:
@@ -238,10 +254,9 @@ class SparsityAwareSampler(PlannedBatchSampler):
     Lightning wiring: ``Trainer(use_distributed_sampler=False)``, and in ``train_dataloader()`` (after the
     processes started, so the rank is known) ``DataLoader(dataset, batch_sampler=SparsityAwareSampler(...),
     collate_fn=...)``; with gradient accumulation, ``batching.micro_batches`` must equal
-    ``accumulate_grad_batches``. Resume: build it with the ``epoch`` and the micro-batches this rank consumed
-    in it (``skip``), and with ``planned_costs`` and ``planned_step_overhead``, the costs and step overhead
-    that epoch was planned with (``plan_costs``, ``plan_step_overhead``): the cost model has learned since,
-    and the rest of the epoch must be the same plan.
+    ``accumulate_grad_batches``. Resume: ``state_dict`` also holds the document costs and step overhead the
+    current epoch was planned with (``plan_costs``, ``plan_step_overhead``), since the cost model has learned
+    since and the rest of the epoch must be the same plan; ``load_state_dict`` replans that epoch from them.
 
     Args:
         lengths: tokens of each document, by dataset index.
@@ -263,10 +278,6 @@ class SparsityAwareSampler(PlannedBatchSampler):
         seed: int = 0,
         num_replicas: int | None = None,
         rank: int | None = None,
-        epoch: int = 0,
-        skip: int = 0,
-        planned_costs=None,
-        planned_step_overhead: float | None = None,
         context_parallel_size: int = 1,
     ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
@@ -283,9 +294,26 @@ class SparsityAwareSampler(PlannedBatchSampler):
         self.plan_costs: tuple[int, np.ndarray] | None = None  # (epoch, per-document costs it was planned with)
         self.plan_step_overhead = 0.0  # the step overhead that epoch was planned with
         self.planned_efficiency: dict[int, float] = {}
-        self._saved_costs = {} if planned_costs is None else {epoch: np.asarray(planned_costs, dtype=np.float64)}
-        self._saved_overhead = {} if planned_step_overhead is None else {epoch: float(planned_step_overhead)}
-        super().__init__(self._plan_epoch, rank=rank, epoch=epoch, skip=skip)
+        self.restored: dict[int, tuple[np.ndarray, float | None]] = {}  # epoch: (costs, overhead) to plan it with
+        super().__init__(self._plan_epoch, rank=rank)
+
+    def state_dict(self) -> dict:
+        """The epoch, and the document costs and step overhead its plan was made with (planned now if not yet)."""
+        self.plan()
+        _, costs = self.plan_costs
+        return {**super().state_dict(), "plan_costs": costs.tolist(), "plan_step_overhead": self.plan_step_overhead}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Also plan ``state["epoch"]`` with the costs and step overhead it was planned with, where the state
+        holds them (the overhead is absent from states saved before it was planned with)."""
+        super().load_state_dict(state)
+        if state.get("plan_costs") is not None:
+            overhead = state.get("plan_step_overhead")
+            self.restored = {
+                state["epoch"]: (np.asarray(state["plan_costs"], dtype=np.float64),
+                                 None if overhead is None else float(overhead))
+            }
+            self._plan = None  # a plan made before the state arrived is not the one to resume
 
     def document_costs(self) -> np.ndarray:
         """Predicted seconds of each document, summed over the ranks that compute it (token counts without a
@@ -304,9 +332,8 @@ class SparsityAwareSampler(PlannedBatchSampler):
         return 0.0 if self.cost_model is None else self.cost_model.step_overhead
 
     def _plan_epoch(self, epoch: int) -> EpochPlan:
-        costs = self._saved_costs.pop(epoch, None)
+        costs, overhead = self.restored.pop(epoch, (None, None))
         costs = self.document_costs() if costs is None else costs
-        overhead = self._saved_overhead.pop(epoch, None)
         overhead = self.step_overhead() if overhead is None else overhead
         self.plan_costs, self.plan_step_overhead = (epoch, costs), overhead
         slot, slots = self.batching.for_group(self.group_size), self.num_replicas // self.group_size

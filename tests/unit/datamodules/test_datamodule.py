@@ -107,10 +107,16 @@ def test_both_planners_use_every_document_once_and_sab_balances_predicted_time()
 
 def test_resumed_sampler_skips_exactly_what_was_consumed():
     lengths = np.random.default_rng(3).integers(10, 1000, 300)
-    full = list(PlannedBatchSampler(lambda e: _sab(lengths, e), rank=1, epoch=2))
-    resumed = PlannedBatchSampler(lambda e: _sab(lengths, e), rank=1, epoch=2, skip=7)
-    assert list(resumed) == full[7:]
+    first = PlannedBatchSampler(lambda e: _sab(lengths, e), rank=1)
+    first.set_epoch(2)
+    full = list(first)
+    resumed = PlannedBatchSampler(lambda e: _sab(lengths, e), rank=1)
+    resumed.load_state_dict({**first.state_dict(), "batches_consumed": 7})
+    assert resumed.epoch == 2 and list(resumed) == full[7:]
     assert list(resumed) == full  # later passes start at the beginning again
+    resumed.load_state_dict({"epoch": 2, "batches_consumed": 7})
+    resumed.set_epoch(3)  # the loop moved on before iterating the resumed epoch: the next one starts whole
+    assert len(list(resumed)) == len(resumed)
 
 
 def test_synthetic_dataset_round_trip(tmp_path):

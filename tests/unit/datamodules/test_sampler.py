@@ -48,9 +48,9 @@ def test_resume_continues_the_same_plan_with_the_costs_it_was_planned_with():
     changed = _cost()
     changed.density.observe([4096], [0.05])  # learned since: planning again from it would change the plan
     changed.step_overhead = 1.0
-    resumed = SparsityAwareSampler(LENGTHS, first.batching, cost_model=changed, seed=3, num_replicas=4, rank=1,
-                                   epoch=epoch, skip=5, planned_costs=costs,
-                                   planned_step_overhead=first.plan_step_overhead)
+    resumed = SparsityAwareSampler(LENGTHS, first.batching, cost_model=changed, seed=3, num_replicas=4, rank=1)
+    resumed.plan()  # planned from what the cost model learned, until the state arrives
+    resumed.load_state_dict({**first.state_dict(), "batches_consumed": 5})
     assert list(resumed) == batches[5:] and resumed.plan_step_overhead == 0.0
     resumed.set_epoch(1)  # the next epoch is planned from the cost model as it is now
     resumed.plan()
@@ -70,7 +70,8 @@ def test_many_documents_at_the_capacity_with_deferral_still_plan(seed, epoch):
     rng = np.random.default_rng(seed)
     lengths = np.where(rng.random(300) < 0.24, 2048, np.clip(rng.lognormal(6.8, 1.2, 300).astype(int), 16, 2048))
     sampler = SparsityAwareSampler(lengths, BatchingConfig(method="sab", max_tokens=2048, defer_window=8),
-                                   cost_model=_cost(), num_replicas=2, rank=0, epoch=epoch)
+                                   cost_model=_cost(), num_replicas=2, rank=0)
+    sampler.set_epoch(epoch)
     plan = sampler.plan()
     seen = [i for step in plan for rank in step.micro_batches for mb in rank for i in mb if isinstance(i, int)]
     assert sorted(seen) == list(range(len(lengths)))
