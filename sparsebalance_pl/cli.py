@@ -1,41 +1,42 @@
 """Command line: ``python main.py {fit,validate,test,profile,export,convert} --config configs/<name>.yaml``.
 
-All are subcommands of one LightningCLI and read the same ``model``, ``data`` and ``trainer`` sections, so
-``--config`` files stack (later ones win) and dotted overrides (``--model.attention.block_size=32``) work alike.
-Every setting is checked when the configuration is parsed and the classes are built, in the launching process
-and before any process group starts (``sparsebalance_pl.preflight`` for what Lightning would find only later);
-a bad one ends the run with a single line naming the setting and what is allowed (exit code 2), not a
-traceback. So do the parser's errors, what Lightning's Trainer and fit loop raise about their settings, and
-the errors of ours that only the ranks can find, damaged data or checkpoints (``_named_cause``).
+A table of plain functions (``COMMANDS``), each a subcommand of one jsonargparse parser built with public calls.
+Every command reads the same ``model``, ``data`` and ``trainer`` sections, so ``--config`` files stack (later
+ones win) and dotted overrides (``--model.attention.block_size=32``) work alike; a command's own settings come
+from its signature, those of ``fit``, ``validate`` and ``test`` from the Trainer method of that name. Every
+setting is checked when the configuration is parsed and the classes are built, in the launching process and
+before any process group starts (``sparsebalance_pl.preflight`` for what Lightning would find only later); a
+bad one ends the run with a single line naming the setting and what is allowed (exit code 2), not a traceback.
+So do the parser's errors, what Lightning's Trainer and fit loop raise about their settings, and the errors of
+ours that only the ranks can find, damaged data or checkpoints (``_named_cause``).
 
-``fit``, ``validate`` and ``test`` run the Trainer; under SLURM, ``fit`` checkpoints and requeues the job on
-SLURM's warning signal (``SlurmRequeue``). ``profile`` (this device's latency table), ``export`` (a checkpoint
-as a Hugging Face directory) and ``convert`` (a GGUF model as a Hugging Face directory of its own family) are the
-functions
-of ``COMMANDS``, whose signatures give their settings.
+``fit``, ``validate`` and ``test`` run the Trainer on the model and data module that ``SparseBalanceCLI``
+builds; under SLURM, ``fit`` checkpoints and requeues the job on SLURM's warning signal (``SlurmRequeue``).
+``profile`` (this device's latency table), ``export`` (a checkpoint as a Hugging Face directory) and ``convert``
+(a GGUF model as a Hugging Face directory of its own family) build only the sections they take.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 import re
 import sys
-import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import lightning as L
 import torch
-from jsonargparse import ArgumentError, Namespace
+from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser, Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from sparsebalance_pl.cost.profiler import KernelSettings, profile_hardware, training_dtype
 from sparsebalance_pl.context_parallel import context_parallel_groups
 from sparsebalance_pl.convert import convert
+from sparsebalance_pl.cost.profiler import KernelSettings, profile_hardware, training_dtype
 from sparsebalance_pl.datamodules.datamodule import LongContextDataModule
-from sparsebalance_pl.distributed import leave_process_group
+from sparsebalance_pl.distributed import end_process
 from sparsebalance_pl.errors import ConfigError, DataError, TrainingError
 from sparsebalance_pl.export import export_checkpoint
 from sparsebalance_pl.module import SparseCausalLM
@@ -45,117 +46,95 @@ from sparsebalance_pl.strategy import FSDP2Strategy
 
 
 class SparseBalanceCLI(LightningCLI):
-    """LightningCLI with the checks that need both the model and the data module, and our own subcommands."""
+    """The model, data module and Trainer of a configuration parsed by the command line, built by LightningCLI
+    without running anything: seeded by ``seed_everything``, the configuration saved beside the run's logs, and
+    the model's hyperparameters recorded as the configuration gave them, so ``load_from_checkpoint`` can rebuild
+    it. Its ``model``, ``datamodule``, ``trainer`` and ``config`` are what ``fit``, ``validate`` and ``test`` run.
+    """
 
-    result: Path | None = None
-    """What the command of ``COMMANDS`` that ran returned."""
+    def __init__(self, parser: LightningArgumentParser, config: Namespace) -> None:
+        self.command_parser = parser
+        super().__init__(
+            SparseCausalLM, LongContextDataModule, save_config_kwargs={"overwrite": True}, args=config, run=False,
+            auto_configure_optimizers=False,  # the module configures its own optimiser and schedule
+        )
 
-    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs) -> None:
-        """Lightning's subcommands (Trainer methods), then ours (``COMMANDS``), described by their docstrings."""
-        super()._add_subcommands(parser, **kwargs)
-        for name, command in COMMANDS.items():
-            description = inspect.getdoc(command).splitlines()[0]
-            command_parser = self.init_parser(description=description)
-            command_parser.add_function_arguments(command, skip=_SECTIONS)
-            self._add_arguments(command_parser)
-            self._subcommand_parsers[name] = command_parser
-            parser._subcommands_action.add_subcommand(name, command_parser, help=description)
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
+        """The command's own parser: the configuration was parsed with it, and it saves it."""
+        self.parser = self.command_parser
 
-    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
-        """Lightning's, without its warning that ``args`` came while ``sys.argv`` holds arguments: ``main(args)`` is
-        how the benchmarks and tests run a command from scripts with command lines of their own, and only ``args``
-        is parsed then."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-            super().parse_arguments(parser, args)
-
-    def _parse_ckpt_path(self) -> None:
-        """``export`` reads its checkpoint itself; Lightning's would parse the model's settings out of it."""
-        if self.config.get("subcommand") not in COMMANDS:
-            super()._parse_ckpt_path()
-
-    def instantiate_classes(self) -> None:
-        """Our commands get no Trainer, and the model and data module only when they take a section: ``export``
-        builds nothing from a configuration (its checkpoint holds the model)."""
-        if self.subcommand not in COMMANDS:
-            return super().instantiate_classes()
-        takes = inspect.signature(COMMANDS[self.subcommand]).parameters.keys()
-        self.config_init = self.parser.instantiate_classes(self.config) if takes & _SECTIONS else self.config
-
-    def _run_subcommand(self, subcommand: str) -> None:
-        """Lightning's call a Trainer method; ours get their settings and the sections they name."""
-        if subcommand not in COMMANDS:
-            return super()._run_subcommand(subcommand)
-        command = COMMANDS[subcommand]
-        settings = self.config_init[subcommand]
-        self.result = command(**{name: settings[name] for name in inspect.signature(command).parameters})
+    def parse_arguments(self, parser: LightningArgumentParser, args: Namespace) -> None:
+        """The configuration as the command line parsed it, not parsed again."""
+        self.config = args
 
     def before_instantiate_classes(self) -> None:
         """Check the Trainer's settings that need nothing built, before anything is."""
-        if self._runs_trainer():
-            settings = self.config[self.subcommand]
-            check_accelerator(settings.trainer.accelerator, settings.get("config") or ())
-            check_ckpt_path(settings.ckpt_path)
+        check_accelerator(self.config.trainer.accelerator, self.config.get("config") or ())
+        check_ckpt_path(self.config.get("ckpt_path"))
 
     def after_instantiate_classes(self) -> None:
         """Tell the strategy whether the checkpoint it will load was named by the user or picked by Lightning."""
-        if self._runs_trainer() and isinstance(self.trainer.strategy, FSDP2Strategy):
-            self.trainer.strategy.fall_back_to_intact = picked_by_lightning(self.config[self.subcommand].ckpt_path)
+        if isinstance(self.trainer.strategy, FSDP2Strategy):
+            self.trainer.strategy.fall_back_to_intact = picked_by_lightning(self.config.get("ckpt_path"))
 
-    def _runs_trainer(self) -> bool:
-        """Whether the command is one of the Trainer's (``fit``, ``validate``, ``test``); none is with ``run=False``."""
-        return self.subcommand is not None and self.subcommand not in COMMANDS
 
-    def _check_model_and_data(self) -> None:
-        vocab = self.model.dims.vocab_size
-        if self.datamodule.vocab_size > vocab:
-            raise ConfigError(
-                f"data.corpus.tokenizer has {self.datamodule.vocab_size} tokens but model vocab_size is {vocab}; "
-                "use a model with a vocabulary at least as large"
-            )
-        longest = self.model.dims.max_position_embeddings
-        if self.datamodule.corpus.max_doc_tokens > longest:
-            raise ConfigError(
-                f"data.corpus.max_doc_tokens={self.datamodule.corpus.max_doc_tokens} exceeds the model's "
-                f"max_position_embeddings={longest}"
-            )
-        data = self.datamodule
-        if data.longbench and data.longbench_max_tokens + data.evaluation.max_new_tokens > longest:
-            raise ConfigError(
-                f"data.evaluation.longbench_max_tokens={data.longbench_max_tokens} plus data.evaluation.max_new_tokens="
-                f"{data.evaluation.max_new_tokens} exceeds the model's max_position_embeddings={longest}"
-            )
-        group_size = getattr(self.trainer.strategy, "context_parallel_size", 1)
-        context_parallel_groups(self.trainer.world_size, group_size, self.trainer.num_devices)
-        data.slot_batching(group_size)
-        if self.trainer.world_size > 1 and self.trainer._accelerator_connector.use_distributed_sampler:
-            raise ConfigError(
-                "trainer.use_distributed_sampler must be false: the data module shards its own batch plan"
-            )
+def check_model_and_data(cli: SparseBalanceCLI) -> None:
+    """The settings that only the model, the data module and the Trainer together can check."""
+    model, data, trainer = cli.model, cli.datamodule, cli.trainer
+    vocab = model.dims.vocab_size
+    if data.vocab_size > vocab:
+        raise ConfigError(
+            f"data.corpus.tokenizer has {data.vocab_size} tokens but model vocab_size is {vocab}; "
+            "use a model with a vocabulary at least as large"
+        )
+    longest = model.dims.max_position_embeddings
+    if data.corpus.max_doc_tokens > longest:
+        raise ConfigError(
+            f"data.corpus.max_doc_tokens={data.corpus.max_doc_tokens} exceeds the model's "
+            f"max_position_embeddings={longest}"
+        )
+    if data.longbench and data.longbench_max_tokens + data.evaluation.max_new_tokens > longest:
+        raise ConfigError(
+            f"data.evaluation.longbench_max_tokens={data.longbench_max_tokens} plus data.evaluation.max_new_tokens="
+            f"{data.evaluation.max_new_tokens} exceeds the model's max_position_embeddings={longest}"
+        )
+    group_size = getattr(trainer.strategy, "context_parallel_size", 1)
+    context_parallel_groups(trainer.world_size, group_size, trainer.num_devices)
+    data.slot_batching(group_size)
+    if trainer.world_size > 1 and cli.config.trainer.use_distributed_sampler:
+        raise ConfigError("trainer.use_distributed_sampler must be false: the data module shards its own batch plan")
 
-    def _connect(self) -> None:
-        """Hand the cost model of the module's sparse attention to the data module: one object, one owner (DST
-        reads it from the module)."""
-        self.datamodule.connect(self.model.sparse_attention.cost_model)
 
-    def before_fit(self) -> None:
-        self._check_model_and_data()
-        self._connect()
-        if self.datamodule.batching.micro_batches != self.trainer.accumulate_grad_batches:
-            raise ConfigError(
-                f"data.batching.micro_batches={self.datamodule.batching.micro_batches} must equal "
-                f"trainer.accumulate_grad_batches="
-                f"{self.trainer.accumulate_grad_batches}: the plan balances each optimiser step's micro-batches"
-            )
-        if SLURMEnvironment.detect() and not any(isinstance(c, SlurmRequeue) for c in self.trainer.callbacks):
-            self.trainer.callbacks.append(SlurmRequeue())
+def fit(cli: SparseBalanceCLI, **settings) -> None:
+    """Train the configuration's model on its data module (under SLURM, requeued on SLURM's warning signal).
 
-    def before_validate(self) -> None:
-        self._check_model_and_data()
+    The data module plans with the cost model of the module's sparse attention: one object, one owner (DST
+    reads it from the module).
+    """
+    check_model_and_data(cli)
+    model, data, trainer = cli.model, cli.datamodule, cli.trainer
+    data.connect(model.sparse_attention.cost_model)
+    if data.batching.micro_batches != trainer.accumulate_grad_batches:
+        raise ConfigError(
+            f"data.batching.micro_batches={data.batching.micro_batches} must equal trainer.accumulate_grad_batches="
+            f"{trainer.accumulate_grad_batches}: the plan balances each optimiser step's micro-batches"
+        )
+    if SLURMEnvironment.detect() and not any(isinstance(c, SlurmRequeue) for c in trainer.callbacks):
+        trainer.callbacks.append(SlurmRequeue())
+    trainer.fit(cli.model, datamodule=data, **settings)
 
-    def before_test(self) -> None:
-        self._check_model_and_data()
-        self.model.evaluations = self.datamodule.evaluations()
+
+def validate(cli: SparseBalanceCLI, **settings) -> None:
+    """Compute the validation loss of the configuration's model, or of the checkpoint at --ckpt_path."""
+    check_model_and_data(cli)
+    cli.trainer.validate(cli.model, datamodule=cli.datamodule, **settings)
+
+
+def test(cli: SparseBalanceCLI, **settings) -> None:
+    """Score the configuration's model, or the checkpoint at --ckpt_path, on the data module's test suites."""
+    check_model_and_data(cli)
+    cli.model.evaluations = cli.datamodule.evaluations()
+    cli.trainer.test(cli.model, datamodule=cli.datamodule, **settings)
 
 
 def profile(
@@ -206,41 +185,97 @@ def export(ckpt_path: str, out_dir: str) -> Path:
     return out
 
 
-COMMANDS: dict[str, Callable[..., Path]] = {"profile": profile, "export": export, "convert": convert}
-"""Subcommands besides Lightning's, by name; a new one is one more entry. A parameter named after a configuration
-section (``_SECTIONS``) receives it, built; the others are the command's settings (``--name``), documented in its
-docstring, whose first line is the command's help."""
+COMMANDS: dict[str, Callable] = {
+    "fit": fit, "validate": validate, "test": test, "profile": profile, "export": export, "convert": convert,
+}
+"""The subcommands, by name; a new one is one more entry. The first line of a command's docstring is its help.
+``TRAINER_COMMANDS`` get the built ``SparseBalanceCLI`` and their Trainer method's settings; the others get
+their own settings (``--name``, documented in their docstrings) and, built, the configuration sections their
+parameters are named after (``SECTIONS``)."""
 
-_SECTIONS = {"model", "data", "trainer"}
+TRAINER_COMMANDS = ("fit", "validate", "test")
+SECTIONS = ("model", "data", "trainer")
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """A command of ``COMMANDS`` as the command line knows it: its parser, and its own settings beside the
+    shared sections."""
+
+    parser: LightningArgumentParser
+    settings: tuple[str, ...]
+
+
+def subcommand(name: str) -> Subcommand:
+    """The parser of command ``name``: a configuration file option, the seed and the three sections, the same
+    for every command so that one configuration serves them all, then the command's own settings."""
+    command = COMMANDS[name]
+    parser = LightningArgumentParser(
+        description=_summary(command), exit_on_error=False,  # a parse error is raised, and said in one line
+        dump_header=[f"lightning.pytorch=={L.__version__}"],
+    )
+    parser.add_argument("-c", "--config", action=ActionConfigFile,
+                        help="a configuration file in yaml or json; later ones override earlier ones")
+    parser.add_argument("--seed_everything", type=bool | int, default=True,
+                        help="the seed fit, validate and test set before building the classes (true: a random one)")
+    parser.add_lightning_class_args(SparseCausalLM, "model")
+    parser.add_lightning_class_args(LongContextDataModule, "data")
+    parser.add_lightning_class_args(L.Trainer, "trainer")
+    parser.set_defaults({"trainer.use_distributed_sampler": False})
+    if name in TRAINER_COMMANDS:
+        settings = parser.add_method_arguments(L.Trainer, name, skip=LightningCLI.subcommands()[name])
+    else:
+        settings = parser.add_function_arguments(command, skip=set(SECTIONS))
+    return Subcommand(parser, tuple(settings))
+
+
+def command_line() -> tuple[ArgumentParser, dict[str, Subcommand]]:
+    """The parser of the whole command line, whose subcommands are ``COMMANDS``, and each one's ``Subcommand``."""
+    subcommands = {name: subcommand(name) for name in COMMANDS}
+    parser = ArgumentParser(description="SparseBalance: load-balanced long-context training with dynamic sparse "
+                            "attention", exit_on_error=False)
+    choices = parser.add_subcommands(dest="subcommand")
+    for name, known in subcommands.items():
+        choices.add_subcommand(name, known.parser, help=_summary(COMMANDS[name]))
+    return parser, subcommands
+
+
+def run_command(name: str, command: Subcommand, config: Namespace) -> SparseBalanceCLI | Path:
+    """Run command ``name`` on its parsed ``config``; returns what ``fit``, ``validate`` and ``test`` ran on, or
+    what another command returned."""
+    settings = {key: config[key] for key in command.settings}
+    if name in TRAINER_COMMANDS:
+        cli = SparseBalanceCLI(command.parser, config)
+        COMMANDS[name](cli, **settings)
+        return cli
+    takes = [section for section in SECTIONS if section in inspect.signature(COMMANDS[name]).parameters]
+    built = command.parser.instantiate(config) if takes else config  # export and convert build nothing
+    return COMMANDS[name](**settings, **{section: built[section] for section in takes})
 
 
 def main(args: list[str] | None = None, run: bool = True) -> SparseBalanceCLI | Path:
-    """The command line; ``run=False`` parses and builds the configuration's classes and runs nothing (no
-    subcommand in ``args`` then)."""
+    """The command line (``args``, default ``sys.argv[1:]``); ``run=False`` parses ``args`` as ``fit``'s
+    settings (no command named in them) and returns the model, data module and Trainer built from them,
+    running nothing. Only ``args`` is parsed when given, so scripts with command lines of their own call it."""
     try:
-        cli = SparseBalanceCLI(
-            SparseCausalLM,
-            LongContextDataModule,
-            trainer_defaults={"use_distributed_sampler": False},
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs={"exit_on_error": False},  # a parse error is raised, and said in one line below
-            args=args,
-            run=run,
-        )
+        if not run:
+            fit_command = subcommand("fit")
+            return SparseBalanceCLI(fit_command.parser, fit_command.parser.parse_args(args))
+        parser, subcommands = command_line()
+        config = parser.parse_args(args)
+        return run_command(config.subcommand, subcommands[config.subcommand], config[config.subcommand])
     except Exception as err:
         cause = _named_cause(err)
         if cause is None:
             raise
         # One write per line: the ranks share stderr, and print's separate newline let two ranks' lines run together.
         sys.stderr.write(f"error: {_one_line(cause)}\n")
-        if leave_process_group():
-            # A rank of a launched run skips the interpreter's teardown: torch's and gloo's threads still alive
-            # then can abort it ("terminate called without an active exception", exit code -6 instead of 2).
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(2)
-        sys.exit(2)
-    return cli.result if cli.subcommand in COMMANDS else cli
+        end_process(2)
+
+
+def _summary(command: Callable) -> str:
+    """A command's help: the first line of its docstring."""
+    return inspect.getdoc(command).splitlines()[0]
 
 
 def _one_line(err: BaseException) -> str:

@@ -12,8 +12,10 @@ the errors they raise apart from others, so a strategy can name the rank and ste
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -80,13 +82,16 @@ def check_ranks_agree(fingerprint: bytes, what: str, group=None) -> None:
         raise DataError(f"ranks disagree on {what} ({ranks})")
 
 
-def leave_process_group() -> bool:
-    """Destroy this process's default group, if any, before the process exits on an error: a local step, no
-    collective. Returns whether there was one."""
+def end_process(code: int) -> NoReturn:
+    """Exit with ``code`` after an error. A rank of a launched run leaves its process group (a local step, no
+    collective) and skips the interpreter's teardown: torch's and gloo's threads still alive then can abort it
+    ("terminate called without an active exception", exit code -6 instead of ``code``)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-        return True
-    return False
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 _LOST_COLLECTIVE = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer")
