@@ -49,6 +49,7 @@ PUBLIC_API = {
         "architecture_name", "build_model", "check_architecture", "check_model", "decoder_layers", "greedy_tokens",
     ],
     "sparsebalance_pl.module": ["OptimConfig", "SparseCausalLM"],
+    "sparsebalance_pl.progress": ["LoggedProgress", "RunProgressBar"],
     "sparsebalance_pl.timing": ["AttentionTimer"],
 }
 
