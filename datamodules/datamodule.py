@@ -317,14 +317,16 @@ class LongContextDataModule(L.LightningDataModule):
         directory = self.data_dir / split
         return PlanItems(litdata.StreamingDataset(str(directory)), len(self.lengths(split)), self.vocab_size, directory)
 
-    def train_plan(self, num_ranks: int, rank: int) -> SparsityAwareSampler:
-        """The training batch sampler of ``rank`` among ``num_ranks``, planned for context-parallel groups when
-        the strategy has them (``slot_batching``); its ``plan()`` holds every rank's micro-batches, which an
-        emulation of many ranks in one process runs itself."""
+    def train_plan(self, num_ranks: int, rank: int, epoch: int = 0) -> SparsityAwareSampler:
+        """The training batch sampler of ``rank`` among ``num_ranks`` at ``epoch``, planned for context-parallel
+        groups when the strategy has them (``slot_batching``); its ``plan()`` holds every rank's micro-batches,
+        which an emulation of many ranks in one process runs itself."""
         self.slot_batching()  # checks that the documents fit
-        return SparsityAwareSampler(self.lengths("train"), self.batching, cost_model=self.cost_model, seed=self.seed,
-                                    num_replicas=num_ranks, rank=rank,
-                                    context_parallel_size=self._context_parallel_size())
+        sampler = SparsityAwareSampler(self.lengths("train"), self.batching, cost_model=self.cost_model,
+                                       seed=self.seed, num_replicas=num_ranks, rank=rank,
+                                       context_parallel_size=self._context_parallel_size())
+        sampler.set_epoch(epoch)
+        return sampler
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         lengths = self.lengths(split)

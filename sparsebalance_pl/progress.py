@@ -22,8 +22,8 @@ __all__ = ["LoggedProgress", "RunProgressBar"]
 class RunProgressBar(RichProgressBar):
     """Lightning's rich progress bar with counts that are true on a fresh and on a resumed run: ``Epoch 1/2``,
     counted from 1 over the epochs the run trains, and the batches done of the current epoch over those it
-    trains in it (``training_extent``). Lightning's own counts epochs from 0 over ``max_epochs - 1`` (``-2``
-    where ``max_steps`` ends the run) and, resumed, the epoch's batches over the steps the run had left."""
+    trains in it (``training_extent``). Lightning's own counts epochs from 0 over ``max_epochs - 1``, negative
+    where ``max_steps`` ends the run, and, resumed, the epoch's batches over the steps the run had left."""
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_epoch_start(trainer, pl_module)
