@@ -39,7 +39,7 @@ from sparsebalance_pl.distributed import leave_process_group
 from sparsebalance_pl.errors import ConfigError, DataError, TrainingError
 from sparsebalance_pl.export import export_checkpoint
 from sparsebalance_pl.module import SparseCausalLM
-from sparsebalance_pl.preflight import check_accelerator, check_ckpt_path, picked_by_lightning
+from sparsebalance_pl.preflight import check_accelerator, check_ckpt_path, check_kernel_backend, picked_by_lightning
 from sparsebalance_pl.slurm import SlurmRequeue
 from sparsebalance_pl.strategy import FSDP2Strategy
 
@@ -95,6 +95,7 @@ class SparseBalanceCLI(LightningCLI):
         if self._runs_trainer():
             settings = self.config[self.subcommand]
             check_accelerator(settings.trainer.accelerator, settings.get("config") or ())
+            check_kernel_backend(self.subcommand, settings.model.get("attention"), settings.trainer.accelerator)
             check_ckpt_path(settings.ckpt_path)
 
     def after_instantiate_classes(self) -> None:
