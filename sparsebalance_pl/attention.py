@@ -501,8 +501,7 @@ def _sparse_attention(q, k, v, layer: int, batch: MicroBatch, config: AttentionC
 #: Share of the base budget's tiles that the price probes keep: a straggler's cut (the least estimated mass
 #: across the layer goes first) and a fast rank's raise with every candidate allowed (tau 1, as DST raises where
 #: tau0 + p >= 1; where it is lower the probe prices a raise more freely than DST makes it). Recall is concave in
-#: density, so a unit cut costs more the deeper the cut: the cut probe sits at the deep end of DST's cuts
-#: (docs/RESULTS.md has the sizes of DST's moves it was chosen from).
+#: density, so a unit cut costs more the deeper the cut: the cut probe sits at the deep end of DST's cuts.
 PROBE_CUT, PROBE_RAISE = 0.55, 2.0
 
 
