@@ -204,9 +204,12 @@ class PlannedBatchSampler(Sampler[list]):
         self._plan: EpochPlan | None = None
 
     def set_epoch(self, epoch: int) -> None:
+        """Lightning names the epoch before each one; the micro-batches a resume skips belong to the resumed epoch
+        alone (a checkpoint saved after an epoch's last step resumes in the next epoch, which skips nothing)."""
         if epoch != self.epoch:
             self.epoch = epoch
             self._plan = None
+            self.skip = 0
 
     def plan(self) -> EpochPlan:
         if self._plan is None:

@@ -113,6 +113,16 @@ def test_resumed_sampler_skips_exactly_what_was_consumed():
     assert list(resumed) == full  # later passes start at the beginning again
 
 
+def test_a_resume_after_an_epochs_last_step_skips_nothing_of_the_next_epoch():
+    """A checkpoint saved after the last step of epoch 2 resumes with all of epoch 2 consumed; Lightning then
+    names epoch 3, which must run whole (the skip once carried into it: a silently skipped epoch)."""
+    lengths = np.random.default_rng(3).integers(10, 1000, 300)
+    consumed = len(PlannedBatchSampler(lambda e: _sab(lengths, e), rank=1, epoch=2))
+    resumed = PlannedBatchSampler(lambda e: _sab(lengths, e), rank=1, epoch=2, skip=consumed)
+    resumed.set_epoch(3)
+    assert list(resumed) == list(PlannedBatchSampler(lambda e: _sab(lengths, e), rank=1, epoch=3))
+
+
 def test_synthetic_dataset_round_trip(tmp_path):
     start_method = multiprocessing.get_start_method(allow_none=True)
     multiprocessing.set_start_method("forkserver", force=True)
