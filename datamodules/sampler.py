@@ -208,6 +208,12 @@ class PlannedBatchSampler(Sampler[list]):
         self.resume_at: tuple[int, int] | None = None  # (epoch, micro-batches of it consumed) until it is iterated
         self._plan: EpochPlan | None = None
 
+    @property
+    def sampler(self) -> "PlannedBatchSampler":
+        """Itself: Lightning names each epoch to a batch sampler's ``sampler`` (``set_epoch``), never to the batch
+        sampler; without this every epoch would replay the first one's plan."""
+        return self
+
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.epoch = epoch

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 19 item 7 on a lent GPU machine: the 8-rank emulation of the real pretrained model (SmolLM2-135M) at its
-# longest context with the Triton kernels (docs/RESULTS.md, "Emulated ranks on a GPU"). That machine has no
+# On a lent GPU machine: the 8-rank emulation of the real pretrained model (SmolLM2-135M) at its longest context
+# with the Triton kernels (docs/results/emulation_h200_*.md has the last attempt). That machine has no
 # network and takes at most 64 MiB per call, so the packages its image lacks travel as wheels (.whl/) and the GGUF
 # file (98 MB) in two pieces (.gguf_a/, .gguf_b/), one per call, on the same warm machine:
 #   scripts/gpu_emulation.sh prepare # here, once: the wheels and the GGUF's pieces, in folders git ignores
@@ -8,9 +8,8 @@
 #   scripts/gpu_emulation.sh run [FILES [VARIANT...]]   # joins the GGUF, converts it, runs the emulation over
 #                                    # FILES real text files (default 96), packs its outputs into $OUT
 # A call carries .whl and .gguf_a for check, .gguf_b for run: a path carried by one call is gone in the next, so
-# check keeps the first piece and the wheels' install in /tmp. Sizing (H200, 2026-11-28): the profile, corpus and
-# four variants' calibration took about 300 s, then each 8-rank step about 9 s (1.1 s per 8K-token rank); 240
-# files and four variants (73 steps) did not finish in 500 s.
+# check keeps the first piece and the wheels' install in /tmp. The default of 96 files and two variants is sized to
+# finish within one call (the emulation report has the timings it was sized from).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site  # outside the checkout: stays while the machine is warm
 OUT=${OUT:-outputs/gpu}  # the device machine sets OUT; what is under it comes back

@@ -55,7 +55,7 @@ __all__ = [
 
 ATTN_IMPLEMENTATION = "sparsebalance"
 AttentionBackend = Literal["dense", "sparse"]
-KernelBackend = Literal["auto", "torch", "triton"]
+KernelBackend = Literal["auto", "torch", "triton", "flex"]
 
 
 @dataclass
@@ -69,7 +69,9 @@ class AttentionConfig:
             attention mass reaches this fraction of its row (1.0 keeps every causal block).
         stride: antidiagonal scoring stride of the selection (power of two dividing block_size).
         max_density: optional cap on the kept fraction of causal blocks per query row, in (0, 1].
-        kernel_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
+        kernel_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch``, ``triton`` or ``flex`` (PyTorch's
+            FlexAttention for the attention, Triton for the selection; trains on CUDA only, and context-parallel
+            streams run the ring on the Triton kernels).
         recall_rows: measure each layer's exact recall on about this many sampled query rows per training
             micro-batch, drawn per document so that a document is measured on the same rows however it is
             packed (0: off; the estimated recall of the selection is always reported).
@@ -106,9 +108,10 @@ class AttentionConfig:
     def __post_init__(self) -> None:
         if self.backend not in ("dense", "sparse"):
             raise ConfigError(f"attention.backend={self.backend!r} is unknown; allowed: 'dense', 'sparse'")
-        if self.kernel_backend not in ("auto", "torch", "triton"):
+        if self.kernel_backend not in ("auto", "torch", "triton", "flex"):
             raise ConfigError(
-                f"attention.kernel_backend={self.kernel_backend!r} is unknown; allowed: 'auto', 'torch', 'triton'"
+                f"attention.kernel_backend={self.kernel_backend!r} is unknown; allowed: 'auto', 'torch', 'triton', "
+                "'flex'"
             )
         if not _is_power_of_two(self.block_size) or not 16 <= self.block_size <= 256:
             raise ConfigError(
@@ -449,9 +452,10 @@ def _ring_attention(q, k, v, mask, layer: int, batch: MicroBatch, config: Attent
     from sparsebalance_pl.kernels import sparse_ring_attention
 
     cp = batch.context_parallel
+    backend = "auto" if config.kernel_backend == "flex" else config.kernel_backend  # the ring has no flex kernels
     return sparse_ring_attention(
         q, k, v, batch.cu_seqlens, block_size=config.block_size, group=cp.group, block_mask=mask,
-        backend=config.kernel_backend, scale=scale, node_size=cp.node_size, label=f"layer {layer}",
+        backend=backend, scale=scale, node_size=cp.node_size, label=f"layer {layer}",
         wait_timer=batch.ring_timer,
     )
 
@@ -500,8 +504,7 @@ def _sparse_attention(q, k, v, layer: int, batch: MicroBatch, config: AttentionC
 #: Share of the base budget's tiles that the price probes keep: a straggler's cut (the least estimated mass
 #: across the layer goes first) and a fast rank's raise with every candidate allowed (tau 1, as DST raises where
 #: tau0 + p >= 1; where it is lower the probe prices a raise more freely than DST makes it). Recall is concave in
-#: density, so a unit cut costs more the deeper the cut: the cut probe sits at the deep end of DST's cuts
-#: (docs/RESULTS.md has the sizes of DST's moves it was chosen from).
+#: density, so a unit cut costs more the deeper the cut: the cut probe sits at the deep end of DST's cuts.
 PROBE_CUT, PROBE_RAISE = 0.55, 2.0
 
 

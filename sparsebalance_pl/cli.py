@@ -40,7 +40,7 @@ from sparsebalance_pl.distributed import end_process
 from sparsebalance_pl.errors import ConfigError, DataError, TrainingError
 from sparsebalance_pl.export import export_checkpoint
 from sparsebalance_pl.module import SparseCausalLM
-from sparsebalance_pl.preflight import check_accelerator, check_ckpt_path, picked_by_lightning
+from sparsebalance_pl.preflight import check_accelerator, check_ckpt_path, check_kernel_backend, picked_by_lightning
 from sparsebalance_pl.slurm import SlurmRequeue
 from sparsebalance_pl.strategy import FSDP2Strategy
 
@@ -244,6 +244,8 @@ def run_command(name: str, command: Subcommand, config: Namespace) -> SparseBala
     """Run command ``name`` on its parsed ``config``; returns what ``fit``, ``validate`` and ``test`` ran on, or
     what another command returned."""
     settings = {key: config[key] for key in command.settings}
+    if name == "fit":
+        check_kernel_backend(config.model.get("attention"), config.trainer.accelerator)
     if name in TRAINER_COMMANDS:
         cli = SparseBalanceCLI(command.parser, config)
         COMMANDS[name](cli, **settings)

@@ -39,6 +39,18 @@ def check_accelerator(accelerator: object, configs: Sequence[object] = ()) -> No
     )
 
 
+def check_kernel_backend(attention: object, accelerator: object) -> None:
+    """FlexAttention has no backward on the CPU: a fit with ``kernel_backend: flex`` needs a GPU to train on."""
+    if getattr(attention, "kernel_backend", None) != "flex":
+        return
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not CUDAAccelerator.is_available())
+    if on_cpu:
+        raise ConfigError(
+            "model.attention.kernel_backend=flex trains on CUDA only (FlexAttention has no backward on the CPU); "
+            "use torch or auto on the CPU"
+        )
+
+
 def check_ckpt_path(ckpt_path: str | None) -> None:
     """A checkpoint path that names nothing: say so before the ranks start, and what a save cut short left."""
     if ckpt_path is None or ckpt_path in _PICKED_BY_LIGHTNING or ckpt_path.startswith("registry") or "://" in ckpt_path:

@@ -104,8 +104,7 @@ class SparsityReport:
     def moved(self) -> tuple[float, float] | None:
         """(density, recall) at the budget used minus at the base budget, mean over layers; the recall exact on
         the sampled rows where both were measured, else estimated. None when the base figures were not
-        reported. (The selection's estimate misprices moves: it put the recall that cuts of 16K-token documents
-        cost at about 1.5 times the exact one, docs/RESULTS.md.)"""
+        reported. (The selection's estimate misprices moves, so the exact figure is preferred.)"""
         if self.base_density is None:
             return None
         density = self.mean_density - sum(self.base_density) / len(self.base_density)

@@ -1,16 +1,16 @@
 """What recall a move of attention density costs or buys, by the length of the documents moved.
 
 Dynamic sparsity tuning's adaptive anchor trades a straggler's recall for step time: it needs the price of a
-unit of density cut from (or raised on) a rank's pack. That price depends on the documents: on 32 emulated ranks
-a cut of one 16K-token document cost 0.197 of recall per unit of density, a price pooled over packs of mostly
-short documents 0.134 (docs/RESULTS.md, tenth pass), and priced at the pooled figure the stragglers' cuts lost
-0.0036 of recall that the anchor predicted free. So prices are kept per length class of the pack: the octave of
-the length where its causal tiles lie (``length_class``), since that is where a cut of its tiles falls.
+unit of density cut from (or raised on) a rank's pack. That price depends on the documents: a cut of a long
+document costs more recall per unit of density than a price pooled over packs of mostly short documents, and a
+pooled price would let the anchor take stragglers' recall it predicted free. So prices are kept per length class
+of the pack: the octave of the length where its causal tiles lie (``length_class``), since that is where a cut of
+its tiles falls.
 
 A price is per unit of ``log_move``, rho0 ln(rho / rho0) for a move from density rho0 to rho, not per unit of
 density: recall is concave in density, so a unit of density cut costs more the deeper the cut and a unit raised
-buys less the larger the raise, and DST's raises of 2-3.4x were priced too high from the probes' 2x raises
-(docs/RESULTS.md, eleventh and twelfth passes). Near rho0 the two units agree.
+buys less the larger the raise, and per unit of density DST's larger raises would be priced too high from the
+probes' 2x raises. Near rho0 the two units agree.
 
 Each report prices the moves it measured against its own base budget (``SparsityReport.priced_moves``: DST's
 move, and the price probes' cut and raise where recall is measured), so a class is priced on the first pack of
@@ -49,11 +49,10 @@ class RecallPrices:
     forgotten only as that class is measured again (a length seen once an epoch keeps its price).
 
     A class's price is shrunk by ``prior_weight`` units toward the price pooled over every class, and the pool
-    toward ``prior``: the calibration's probes measure a fraction of a unit on lengths few of its packs hold, so
-    shrunk toward the prior 1.0 a fifth of such a price was the prior's: cuts that cost 0.13-0.20 were priced 0.27,
-    raises that bought 0.25-0.31 priced 0.43; toward the pool, 0.186 and 0.29-0.31 against 0.179 and 0.268
-    measured (docs/RESULTS.md, twelfth and thirteenth passes). A class never measured is priced at the pool; before
-    anything is measured, at the prior, 1.0: recall following density, as in the near-uniform regime.
+    toward ``prior``: the calibration's probes measure a fraction of a unit on lengths few of its packs hold, so a
+    class's own price shrunk toward the prior would stay mostly the prior's, while the pool is measured on every
+    length. A class never measured is priced at the pool; before anything is measured, at the prior, 1.0: recall
+    following density, as in the near-uniform regime.
     """
 
     #: Moves smaller than this (in density) teach nothing: rounding of the kept tiles, not a budget's change.

@@ -5,9 +5,9 @@ ranks share these few numbers, and all agree on an anchor time A. Each rank then
 density target is the density at which its predicted time equals A. The move becomes a ``LayerBudget``:
 
 - a fast rank's tau rises by the same amount as its density target, up to tau0 + p; it sets the accuracy
-  floor where attention is sharp. A straggler's tau stays at tau0 and its scale alone cuts: a lower tau made
-  the per-row top-p keep fewer tiles than the scale allows, so stragglers were cut 1.2-1.7x deeper than the
-  move the cost model priced and planned (docs/RESULTS.md, eleventh pass);
+  floor where attention is sharp. A straggler's tau stays at tau0 and its scale alone cuts: a lower tau would
+  make the per-row top-p keep fewer tiles than the scale allows, cutting deeper than the move the cost model
+  priced and planned;
 - ``density_scale`` bounds the layer's kept tiles relative to what the base budget keeps there, by the
   ratio of the density at which the rank would reach the anchor to its base density: it is what
   guarantees the time. A straggler's scale is not bounded by p (its target goes down to a floor,

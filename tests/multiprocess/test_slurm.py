@@ -28,6 +28,9 @@ ARGS = [
     "configs/demo.yaml", *(f"--data.{key}={value}" for key, value in DATA.items()),
     "--model.model.overrides={num_layers: 1}", "--trainer.log_every_n_steps=1", f"--trainer.max_steps={MAX_STEPS}",
     "--data.batching.micro_batches=2", "--trainer.accumulate_grad_batches=2",
+    # Token-count packing and no DST (the callbacks below replace the demo's): an epoch planned by SAB after the
+    # resume, or DST's budgets, follow measured times, which no two runs share.
+    "--data.batching.method=first_fit",
     # Validation is on but not due within the run: only an early stop would start it.
     "--trainer.limit_val_batches=2", "--trainer.check_val_every_n_epoch=null", "--trainer.val_check_interval=1000",
 ]

@@ -77,3 +77,34 @@ def test_many_documents_at_the_capacity_with_deferral_still_plan(seed, epoch):
     assert sorted(seen) == list(range(len(lengths)))
     assert all(sum(lengths[i if isinstance(i, int) else i.index] for i in mb) <= 2048
                for step in plan for rank in step.micro_batches for mb in rank)
+
+
+def test_lightning_trains_each_epoch_on_its_own_plan():
+    """Lightning names each epoch to the batch sampler (through its ``sampler``): epoch 1 trains epoch 1's plan,
+    not epoch 0's again."""
+    import lightning as L
+    import torch
+
+    sampler = _samplers(method="first_fit", ranks=1)[0]
+    seen: dict[int, list] = {}
+
+    class Record(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):
+            seen.setdefault(self.current_epoch, []).append(batch.tolist())
+            return self.weight.sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = torch.utils.data.DataLoader(range(len(LENGTHS)), batch_sampler=sampler)
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Record(), loader)
+    for epoch in (0, 1):
+        want = [mb for step in sampler.plan_fn(epoch) for mb in step.micro_batches[0]]
+        assert seen[epoch] == [[int(i) for i in mb] for mb in want]
+    assert seen[0] != seen[1]
