@@ -52,18 +52,8 @@ class DynamicSparsityTuning(Callback):
         min_density: the lowest density a straggler aims at, in [0, 1].
         recall_tolerance: the adaptive anchor's allowance for predicted loss of mean recall.
 
-    Logged per step (the same on every rank): ``dst/anchor_s``, ``dst/anchor_position`` (where it lies between
-    the fastest and the slowest rank's predicted base time, 0 to 1), ``dst/anchor_drift`` (its move since the
-    previous step on that step's documents: what learning moved, apart from the workload),
-    ``dst/recall_per_density_cut`` and ``dst/recall_per_density_raised`` (the adaptive anchor's learned prices
-    of density, per unit of ``log_move``, on the documents of the rank predicted slowest, ``RecallPrices``),
-    ``dst/prediction_error`` (the cost model's recent error, which sets the deadband) and ``dst/confidence`` (the
-    share of a move it allows), ``dst/predicted_imbalance_base`` and ``dst/predicted_imbalance`` (whole step,
-    base and chosen budgets), ``dst/measured_imbalance`` (attention calls), and per rank
-    ``dst/rank{r}/{predicted_base_s,predicted_s}`` (whole step),
-    ``dst/rank{r}/{tau,max_density,density_scale,density,estimated_recall,recall,speed}`` and
-    ``latency/rank{r}/{predicted_s,measured_s}`` (attention calls). Per epoch: ``dst/balance_efficiency``
-    (sum of mean over sum of max measured attention time) and ``dst/mean_recall`` (token-weighted).
+    It logs the anchor, the predicted and measured balance, and every rank's budget, density, recall and speed,
+    the same on every rank, so a run shows what DST decided and what it bought: ``docs/metrics.md`` lists the keys.
     """
 
     def __init__(
