@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from sparsebalance_pl.attention import ATTN_IMPLEMENTATION, AttentionConfig, SparseAttention
 from sparsebalance_pl.context_parallel import ContextParallel
 from sparsebalance_pl.cost.latency import LatencyModel
-from sparsebalance_pl.cost.profiler import KernelSettings, latency_model_for_run, training_dtype
+from sparsebalance_pl.cost.profiler import KernelSettings, analytic_prior, latency_model_for_run, training_dtype
 from sparsebalance_pl.datamodules.packing import collate_packed, stripe_packed
 from sparsebalance_pl.distributed import all_ranks, gather_floats, gather_objects
 from sparsebalance_pl.errors import ConfigError, TrainingError
@@ -89,9 +89,11 @@ class SparseCausalLM(L.LightningModule):
         loss_chunk_tokens: tokens per chunk of the fused LM head + cross-entropy.
         activation_checkpointing: recompute each decoder layer in the backward (long contexts on GPU).
         latency_table: JSON latency table (``sparsebalance_pl.cost.profiler``) for this device and model; a
-            missing, unreadable or mismatched one is reported and replaced (see ``latency_profile``).
-        latency_profile: when the table is missing or from other hardware, run the quick profile (about a
-            minute) and save it to ``latency_table``; otherwise start from the analytic FLOP prior.
+            missing, unreadable or mismatched one is reported and replaced (see ``latency_profile``). None: the
+            analytic FLOP prior at a throughput typical of the run's device.
+        latency_profile: when the table is missing, or was measured on other hardware or for shorter streams,
+            run the quick profile (about a minute) and save it to ``latency_table``. Off, such a table is used
+            as it is (online calibration corrects it), and a missing one gives the analytic prior.
         max_nonfinite_steps: steps with a non-finite loss are skipped on every rank; more than this many in
             a run stop it with a message naming the step.
     """
@@ -140,20 +142,27 @@ class SparseCausalLM(L.LightningModule):
             apply_fully_shard(self.net, decoder_layers(hf_model), mesh["data_parallel"])
 
     def setup(self, stage: str) -> None:
-        if stage == "fit" and self.latency_table is not None:
+        if stage == "fit":
             self.sparse_attention.cost_model.latency = self._load_latency_model()
 
     def _load_latency_model(self) -> LatencyModel:
-        """The table for this device and model, else the quick profile or the analytic prior; never raises.
+        """The table for this device and model, else the quick profile or the analytic prior for this device;
+        never raises.
 
-        With profiling on, rank 0 profiles and saves the table while the others wait, then every rank loads
-        the same file, so all ranks start from identical predictions.
+        The table must reach the longest stream the run trains (the data module's ``max_tokens``, as
+        ``main.py profile`` measures), else the model's context length. With profiling on, rank 0 profiles and
+        saves the table while the others wait, then every rank loads the same file, so all ranks start from
+        identical predictions.
         """
         device = self.trainer.strategy.root_device
         dtype = training_dtype(self.trainer.precision, device)
         kernels = KernelSettings.of(self.sparse_attention.config, device, dtype)
-        settings = dict(max_length=self.dims.max_position_embeddings, progress=False)
         config = self.model_config.hf_config()
+        if self.latency_table is None:
+            return analytic_prior(config, kernels)
+        batching = getattr(self.trainer.datamodule, "batching", None)
+        longest = getattr(batching, "max_tokens", self.dims.max_position_embeddings)
+        settings = dict(max_length=longest, progress=False)
         if self.latency_profile and self.trainer.world_size > 1:
             if self.trainer.is_global_zero:
                 latency_model_for_run(self.latency_table, config, kernels, profile=True, **settings)

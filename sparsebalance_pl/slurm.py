@@ -24,6 +24,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+__all__ = ["SlurmRequeue"]
+
 
 class SlurmRequeue(Callback):
     """On SLURM's requeue signal (``SIGUSR1`` unless the ``SLURMEnvironment`` says otherwise): save, requeue

@@ -43,6 +43,8 @@ from sparsebalance_pl.context_parallel import ContextParallel, check_size, creat
 from sparsebalance_pl.distributed import gather_objects, is_collective_failure
 from sparsebalance_pl.errors import TrainingError
 
+__all__ = ["FSDP2Strategy", "apply_fully_shard"]
+
 log = logging.getLogger(__name__)
 
 

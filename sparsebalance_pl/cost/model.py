@@ -14,8 +14,8 @@ those predictions come from:
 - recall prices (``RecallPrices``): what recall a move of density costs or buys, by the length of the documents,
   which dynamic sparsity tuning's adaptive anchor weighs against time.
 
-It is built once per run and handed explicitly to whoever predicts with it (the data module's ``connect``, the
-DST callback's ``connect``). It learns from every training step: each rank's ``StepRecord`` (its documents,
+It is built once per run, by the model's ``SparseAttention``, and handed explicitly to whoever predicts with it
+(the data module's ``connect``; the DST callback reads the module's ``sparse_attention``). It learns from every training step: each rank's ``StepRecord`` (its documents,
 what its selection kept and how long its attention calls took) is gathered from every rank, and ``observe``
 folds them in rank order. Every rank then holds the same state, so the checkpoint rank 0 writes resumes every
 rank. The object never communicates itself.

@@ -55,6 +55,7 @@ __all__ = [
     "KernelSettings",
     "ModelStep",
     "ProfileGrid",
+    "analytic_prior",
     "device_name",
     "latency_model_for_run",
     "measure_seconds",
@@ -645,9 +646,18 @@ def latency_model_for_run(
                     "" if unfit is None else f"latency table {path} {unfit}: ", here, path)
         return profile_hardware(config, kernels, quick=True, max_length=max_length, progress=progress, output=path)
     log.warning("no usable latency table at %s and profiling is off: using the analytic prior", path)
+    return analytic_prior(config, kernels)
+
+
+def analytic_prior(config: PretrainedConfig, kernels: KernelSettings) -> LatencyModel:
+    """The analytic FLOP prior at a throughput typical of ``kernels``' device and dtype, so that a run without a
+    table predicts accelerator times on the order of the real ones before calibration corrects them."""
     half = kernels.dtype in (torch.float16, torch.bfloat16)
     throughput = 5e10 if kernels.device.type == "cpu" else (2e14 if half else 4e13)
-    return LatencyModel.analytic(dims, flops_per_second=throughput, device=here, dtype=_name(kernels.dtype), **matched)
+    return LatencyModel.analytic(
+        ModelDims.from_hf_config(config), flops_per_second=throughput, device=device_name(kernels.device),
+        dtype=_name(kernels.dtype), block_size=kernels.block_size, stride=kernels.stride, selection=kernels.selection,
+    )
 
 
 def _unfit(model: LatencyModel, device: str, dtype: str, max_length: int) -> str | None:

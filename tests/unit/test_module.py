@@ -12,6 +12,7 @@ from sparsebalance_pl.attention import AttentionConfig, SparseAttention
 from sparsebalance_pl.callbacks import DynamicSparsityTuning
 from sparsebalance_pl.cost import CostModel
 from sparsebalance_pl.latency import LatencyModel
+from sparsebalance_pl.cost.profiler import device_name
 from sparsebalance_pl.cost.recall import length_class
 from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.model import ModelConfig
@@ -130,3 +131,36 @@ def test_density_calibration_prices_recall_by_length_before_the_first_step():
     for pack in packs:  # measured: off the prior (1.0, 1.0); an untrained model's attention is near uniform
         cut, raised = prices.prices(pack)
         assert cut > 0 and raised > 0 and cut != 1.0 and raised != 1.0, (pack, cut, raised)
+
+
+class _Streams(L.LightningDataModule):
+    """A data module whose longest stream is ``batching.max_tokens``, as ``LongContextDataModule``'s."""
+
+    def __init__(self, max_tokens: int) -> None:
+        super().__init__()
+        self.batching = type("Batching", (), {"max_tokens": max_tokens})()
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_batches(1), batch_size=None)
+
+
+@pytest.mark.parametrize("table", [None, "table.json"])
+def test_a_run_starts_from_a_table_reaching_its_longest_stream_or_the_prior_of_its_device(table, tmp_path, monkeypatch):
+    asked = []
+
+    def latency_model_for_run(path, config, kernels, **settings):
+        asked.append(settings["max_length"])
+        return LatencyModel.analytic(module.dims, block_size=kernels.block_size, stride=kernels.stride)
+
+    monkeypatch.setattr("sparsebalance_pl.module.latency_model_for_run", latency_model_for_run)
+    module = SparseCausalLM(model=ModelConfig(preset="demo", overrides=TINY),
+                            attention=AttentionConfig(backend="sparse", block_size=64, stride=16),
+                            latency_table=None if table is None else str(tmp_path / table))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(module, datamodule=_Streams(max_tokens=1024))
+    meta = module.sparse_attention.cost_model.latency.table.meta
+    if table is None:
+        assert asked == [] and meta.source == "analytic" and meta.device == device_name("cpu")
+    else:
+        assert asked == [1024]  # the data module's longest stream, not the model's context length

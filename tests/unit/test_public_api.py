@@ -20,8 +20,8 @@ PUBLIC_API = {
         "TIMED_TERMS", "observe_step",
     ],
     "sparsebalance_pl.cost.profiler": [
-        "KernelSettings", "ModelStep", "ProfileGrid", "device_name", "latency_model_for_run", "measure_seconds",
-        "profile_hardware", "profile_module", "training_dtype",
+        "KernelSettings", "ModelStep", "ProfileGrid", "analytic_prior", "device_name", "latency_model_for_run",
+        "measure_seconds", "profile_hardware", "profile_module", "training_dtype",
     ],
     "sparsebalance_pl.datamodules": [
         "BatchingConfig", "CapacityError", "CorpusConfig", "EvaluationConfig", "GlobalBatch", "LongContextDataModule",
@@ -50,6 +50,8 @@ PUBLIC_API = {
     ],
     "sparsebalance_pl.module": ["OptimConfig", "SparseCausalLM"],
     "sparsebalance_pl.progress": ["LoggedProgress", "RunProgressBar"],
+    "sparsebalance_pl.slurm": ["SlurmRequeue"],
+    "sparsebalance_pl.strategy": ["FSDP2Strategy", "apply_fully_shard"],
     "sparsebalance_pl.timing": ["AttentionTimer"],
 }
 

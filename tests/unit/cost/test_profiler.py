@@ -14,6 +14,7 @@ from sparsebalance_pl.model import ModelDims
 from sparsebalance_pl.cost.profiler import (
     KernelSettings,
     ProfileGrid,
+    analytic_prior,
     latency_model_for_run,
     measure_seconds,
     profile_hardware,
@@ -141,6 +142,19 @@ def test_run_start_profiles_again_for_other_selection_options(tiny_profile, monk
 ])
 def test_training_dtype_follows_the_precision_off_the_cpu(precision, device, dtype):
     assert training_dtype(precision, device) == dtype
+
+
+@pytest.mark.parametrize("device, dtype, throughput", [
+    ("cpu", torch.float32, 5e10), ("cuda", torch.bfloat16, 2e14), ("cuda", torch.float32, 4e13),
+])
+def test_the_analytic_prior_assumes_the_throughput_of_the_device(device, dtype, throughput, monkeypatch):
+    monkeypatch.setattr("sparsebalance_pl.cost.profiler.device_name", lambda d: f"a {torch.device(d).type}")
+    prior = analytic_prior(TINY_CONFIG, dataclasses.replace(KERNELS, device=device, dtype=dtype))
+    meta = prior.table.meta
+    assert meta.source == "analytic" and meta.notes["flops_per_second"] == throughput
+    assert (meta.device, meta.dtype, meta.block_size, meta.stride) == (f"a {device}", str(dtype)[6:], 32, 8)
+    on_cpu = analytic_prior(TINY_CONFIG, KERNELS)
+    assert prior.table.token_layer == pytest.approx(on_cpu.table.token_layer * 5e10 / throughput)
 
 
 def test_run_start_falls_back_to_the_prior_or_a_profile_for_bad_tables(tmp_path, caplog, monkeypatch):
