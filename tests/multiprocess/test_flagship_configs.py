@@ -19,7 +19,7 @@ def _fit(run_dir, config: str):
         "--model.model.preset=demo", "--model.model.overrides={num_layers: 2, max_position_embeddings: 1024}",
         "--model.attention.block_size=64", "--model.activation_checkpointing=false",
         "--data.corpus.tokenizer=byte", "--data.corpus.num_documents=120", "--data.corpus.max_doc_tokens=1024",
-        "--data.corpus.build_workers=1", "--data.batching.max_tokens=2048", "--data.batching.num_workers=0",
+        "--data.corpus.build_workers=1", "--data.batching.max_tokens=1024", "--data.batching.num_workers=0",
         timeout=600,
     )
 

@@ -1,5 +1,6 @@
 """`python main.py profile` writes a latency table that fits the configuration's model, configured like `fit`."""
 
+import dataclasses
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ from main_runner import REPO
 
 from sparsebalance_pl import cli
 from sparsebalance_pl.cli import main
+from sparsebalance_pl.cost.profiler import ProfileGrid
 from sparsebalance_pl.latency import LatencyModel
 from sparsebalance_pl.model import PRESETS, ModelDims
 
@@ -15,21 +17,26 @@ DEMO = str(CONFIGS / "demo.yaml")
 SHORT = ["--data.batching.max_tokens=1024", "--data.corpus.max_doc_tokens=1024"]  # a quick grid of seconds
 
 
-def test_profile_writes_a_table_for_the_configured_model(tmp_path):
-    out = main(["profile", "--config", DEMO, "--output", str(tmp_path / "table.json")])
+def test_profile_writes_a_table_for_the_configured_model(monkeypatch, tmp_path):
+    quick = ProfileGrid.quick  # the quick grid's lengths with the least time per cell (its timing is tested apart)
+    monkeypatch.setattr(ProfileGrid, "quick", classmethod(
+        lambda cls, max_length: dataclasses.replace(quick(max_length), cell_seconds=0.05, model_steps=4, passes=1)))
+    out = main(["profile", "--config", DEMO, *SHORT, "--output", str(tmp_path / "table.json")])
     model = LatencyModel.from_file(out, PRESETS["demo"].dims, block_size=64, stride=16)
-    assert model.predict([4096], 0.5) > model.predict([1024], 0.5) > 0
+    assert max(model.table.lengths) == 1024
+    assert model.predict([1024], 0.5) > model.predict([256], 0.5) > 0
 
 
-def test_profile_stacks_configs_and_overrides_like_fit(tmp_path):
+def test_profile_stacks_configs_and_overrides_like_fit(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(cli, "profile_hardware", lambda config, kernels, **settings: seen.update(kernels=kernels))
     overlay = tmp_path / "overlay.yaml"
     overlay.write_text("model:\n  attention:\n    block_size: 16\n    stride: 8\n")
-    out = main([
+    main([
         "profile", "--config", DEMO, "--config", str(CONFIGS / "sharp.yaml"), "--config", str(overlay),
         "--model.attention.block_size=32", *SHORT, "--output", str(tmp_path / "table.json"),
     ])
-    model = LatencyModel.from_file(out, PRESETS["demo"].dims, block_size=32, stride=8)  # the override beats the overlay
-    assert model.table.meta.block_size == 32 and max(model.table.lengths) == 1024
+    assert (seen["kernels"].block_size, seen["kernels"].stride) == (32, 8)  # the override beats the overlay
 
 
 @pytest.mark.parametrize(
