@@ -72,7 +72,7 @@ DOC_TOKENS = 8192  # the model's context; longer files are cut into documents of
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Part 1: layouts and their kept-tile balance (pure functions of a mask; tests/unit/test_context_parallel_bench.py)
+# Part 1: layouts and their kept-tile balance (pure functions of a mask)
 
 
 def owners(num_blocks: int, world_size: int, layout: str) -> torch.Tensor:

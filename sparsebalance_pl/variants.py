@@ -97,7 +97,8 @@ def dst_settings(spec: str, anchor: str, p: float, recall_tolerance: float) -> d
 @dataclass(frozen=True)
 class ComparisonSettings:
     """What the variants of one comparison share, kept with its results so that a later analysis (the
-    simulation's check, a replayed step) sets each variant up again exactly as it ran.
+    simulation's check, a replayed step) sets each variant up again exactly as it ran. The fields mirror
+    ``benchmarks/end_to_end.py``'s options, and a setting that cannot run raises ``ConfigError`` naming the option.
 
     Args:
         configs: configuration files, stacked in order as ``main.py fit --config a --config b`` does.

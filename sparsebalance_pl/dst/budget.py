@@ -47,7 +47,7 @@ class Outlook:
     (``top``). ``densities`` and ``times`` are the latency model's ``time_curve`` for the rank's documents, so
     the densities a move is priced at (``density_at``) and the ones its budget targets (``rank_budget``) are
     the same exact inverse (a straight line from the base to the range's ends was off by up to 0.05 of density
-    on the analytic model, ``tests/unit/callbacks/test_budget.py``).
+    on the analytic model, ``tests/unit/dst/test_budget.py``).
     """
 
     base: float
