@@ -29,14 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from sparsebalance_pl.kernels import LayerBudget, attention_recall, block_sparse_attention, select_blocks
 from sparsebalance_pl.kernels import select_with_budget
 from sparsebalance_pl.kernels.launches import count_launches

@@ -1,27 +1,27 @@
 """Held-out accuracy of the latency model on the demo model, and how fast online calibration repairs a bad start.
 
-Issue 4's evaluation: profile this machine (quick grid), then time forward+backward of the whole demo model
-(``SparseCausalLM``: Hugging Face Qwen2, sparse attention capped at the batch's density, chunked loss) on random
-micro-batches of 1-8 documents, 256-8192 tokens, density 0.05-1.0, and compare with ``predict``:
-30 held-out batches give the median and 90th-percentile absolute percentage error; 20 further batches are
-fed to ``observe`` starting from the profiled table with every time doubled and from the analytic prior,
-and the held-out median error is printed after each number of observed steps. Writes a PNG (predicted vs
-measured, error vs observed steps) and a JSON of all figures to ``--out``.
+Profile this machine (quick grid), then time forward+backward of the whole demo model (``ModelStep``: Hugging
+Face Qwen2, sparse attention capped at the batch's density, chunked loss) on random micro-batches of 1-8
+documents, 256-8192 tokens, density 0.05-1.0, and compare with ``predict``: 30 held-out batches give the median
+and 90th-percentile absolute percentage error; 20 further batches are fed to ``observe`` starting from the
+profiled table with every time doubled and from the analytic prior, and the held-out median error is printed
+after each number of observed steps. Writes a PNG (predicted vs measured, error vs observed steps) and a JSON of
+all figures to ``--out``.
 
-Timings on a shared CPU are noisy: each batch is timed in several passes over all batches (so a busy
-period is spread over batches instead of hitting one) and the fastest pass counts, as in the profiler. With
-other jobs loading the machine even that drifts, so by default (one torch thread) the profile and the steps
-are timed in process CPU time (``--clock cpu``: the wall time the step would take on an idle machine); the
-wall-clock times are recorded beside them and their ratio printed as the machine's contention.
+Timings on a shared CPU are noisy: each batch is timed in several passes over all batches (so a busy period is
+spread over batches instead of hitting one) and the fastest pass counts, as in the profiler. With other jobs
+loading the machine even that drifts, so by default (one torch thread) the profile and the steps are timed in
+process CPU time (``--clock cpu``: the wall time the step would take on an idle machine); the wall-clock times
+are recorded beside them and their ratio printed as the machine's contention.
 
     python benchmarks/latency.py [--clock cpu|wall] [--threads 1] [--passes 2] [--table t.json] [--out dir]
+    python benchmarks/latency.py --quick --out outputs/latency_quick   # 2,048 tokens at most, few batches
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -33,10 +33,8 @@ from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from sparsebalance_pl.latency import LatencyModel  # noqa: E402
-from sparsebalance_pl.model import ModelConfig  # noqa: E402
 from sparsebalance_pl.cost.profiler import (  # noqa: E402
+    KernelSettings,
     ModelStep,
     check_clock,
     device_name,
@@ -44,8 +42,10 @@ from sparsebalance_pl.cost.profiler import (  # noqa: E402
     random_micro_batches,
     timed,
 )
+from sparsebalance_pl.latency import LatencyModel  # noqa: E402
+from sparsebalance_pl.model import ModelConfig  # noqa: E402
 
-BLOCK_SIZE, STRIDE = 64, 16
+KERNELS = KernelSettings(device="cpu", block_size=64, stride=16)
 CALIBRATION_CHECKPOINTS = (0, 1, 2, 3, 5, 10, 15, 20)
 
 
@@ -54,8 +54,9 @@ class DemoStep:
 
     def __init__(self, seed: int) -> None:
         torch.manual_seed(seed)
-        self.dims = ModelConfig(preset="demo").dims()
-        self.step = ModelStep(self.dims, block_size=BLOCK_SIZE, stride=STRIDE)
+        self.config = ModelConfig(preset="demo").hf_config()
+        self.step = ModelStep(self.config, KERNELS)
+        self.dims = self.step.dims
 
     def __call__(self, lengths: list[int], density: float) -> tuple[float, float]:
         """(wall, CPU) seconds of forward+backward."""
@@ -125,8 +126,13 @@ def main() -> None:
     parser.add_argument("--table", type=Path, help="use this table instead of profiling now")
     parser.add_argument("--full-profile", action="store_true", help="profile the full grid instead of the quick one")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--max-tokens", type=int, default=8192, help="longest micro-batch timed and profiled")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 6 held-out and 5 calibration batches of up to 2,048 tokens, one pass")
+    parser.add_argument("--out", type=Path, default=Path("outputs/latency"))
     args = parser.parse_args()
+    if args.quick:
+        args.held_out, args.calibration, args.passes, args.max_tokens = 6, 5, 1, 2048
     torch.set_num_threads(args.threads)
     check_clock(args.clock, "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -135,17 +141,18 @@ def main() -> None:
 
     step = DemoStep(args.seed)
     if args.table:
-        table = LatencyModel.from_file(args.table, step.dims, block_size=BLOCK_SIZE, stride=STRIDE)
+        table = LatencyModel.from_file(args.table, step.dims, block_size=KERNELS.block_size, stride=KERNELS.stride,
+                                       selection=KERNELS.selection)
         profile_s = 0.0
     else:
         start = time.perf_counter()
-        table = profile_hardware(step.dims, block_size=BLOCK_SIZE, stride=STRIDE, quick=not args.full_profile,
+        table = profile_hardware(step.config, KERNELS, quick=not args.full_profile, max_length=args.max_tokens,
                                  output=args.out / "latency_table.json", clock=args.clock)
         profile_s = time.perf_counter() - start
         print(f"profile: {profile_s:.1f} s ({'full' if args.full_profile else 'quick'} grid)")
 
-    held_out = random_micro_batches(args.held_out, rng, 256, 8192)
-    calib = random_micro_batches(args.calibration, rng, 256, 8192)
+    held_out = random_micro_batches(args.held_out, rng, 256, args.max_tokens)
+    calib = random_micro_batches(args.calibration, rng, 256, args.max_tokens)
     print(f"timing {len(held_out) + len(calib)} micro-batches x {args.passes} passes on {device}", flush=True)
     both = measure(step, held_out + calib, args.passes, rng)
     times = both[:, 0 if args.clock == "wall" else 1]
@@ -156,7 +163,8 @@ def main() -> None:
     starts = {
         "profiled table": LatencyModel.from_state(table.state_dict()),
         "doubled table": LatencyModel(table.table.scaled(2.0)),
-        "analytic prior": LatencyModel.analytic(step.dims, block_size=BLOCK_SIZE, stride=STRIDE, device=device),
+        "analytic prior": LatencyModel.analytic(step.dims, block_size=KERNELS.block_size, stride=KERNELS.stride,
+                                                device=device, selection=KERNELS.selection),
     }
     curves = {name: calibration_curve(m, calib, calib_times, held_out, held_times) for name, m in starts.items()}
     results = {
@@ -177,7 +185,7 @@ def main() -> None:
     (args.out / "latency_benchmark.json").write_text(json.dumps(results, indent=1))
     predictions = {
         "profiled table": np.array([table.predict(n, d) for n, d in held_out]),
-        "analytic prior + 20 observed steps": np.array([starts["analytic prior"].predict(n, d) for n, d in held_out]),
+        f"analytic prior + {len(calib)} observed steps": np.array([starts["analytic prior"].predict(n, d) for n, d in held_out]),
     }
     plot(args.out / "latency_predicted_vs_measured.png", held_out, held_times, predictions, curves, device, args.clock)
 

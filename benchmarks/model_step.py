@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -33,13 +32,12 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from variant_spec import parse_variant  # noqa: E402
-from sparsebalance_pl.attention import AttentionConfig  # noqa: E402
-from sparsebalance_pl.datamodules.packing import collate_packed  # noqa: E402
-from sparsebalance_pl.model import ModelConfig  # noqa: E402
-from sparsebalance_pl.module import SparseCausalLM  # noqa: E402
+from sparsebalance_pl.attention import AttentionConfig
+from sparsebalance_pl.datamodules.packing import collate_packed
+from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl.model import ModelConfig
+from sparsebalance_pl.module import SparseCausalLM
+from sparsebalance_pl.variants import attention_variant
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -58,16 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--attention", nargs="*", default=[], metavar="NAME:FIELD=VALUE,...",
                         help="extra sparse variants given by AttentionConfig fields")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    return parser.parse_args(argv)
-
-
-def attention_variant(spec: str) -> tuple[str, AttentionConfig]:
-    """``NAME:field=value,...`` as a named ``AttentionConfig``."""
-    name, settings = parse_variant(spec, "--attention")
-    try:
-        return name, AttentionConfig(**settings)
-    except (TypeError, ValueError) as err:
-        raise SystemExit(f"--attention {spec!r}: {err}") from None
+    args = parser.parse_args(argv)
+    try:  # every variant checked before any model is built
+        args.attention = [attention_variant(spec) for spec in args.attention]
+    except ConfigError as err:
+        parser.error(str(err))
+    return args
 
 
 def build(args: argparse.Namespace, attention: AttentionConfig) -> SparseCausalLM:
@@ -85,7 +79,7 @@ def main(argv=None) -> None:
     variants = {"dense": AttentionConfig(backend="dense")}
     variants.update({f"sparse tau={t:g}": AttentionConfig(tau=t) for t in args.taus})
     variants.update({f"sparse cap={d:g}": AttentionConfig(tau=1.0, max_density=d) for d in args.max_densities})
-    variants.update(attention_variant(spec) for spec in args.attention)
+    variants.update(args.attention)
     modules = {name: build(args, cfg) for name, cfg in variants.items()}
     vocab = next(iter(modules.values())).dims.vocab_size
     rng = np.random.default_rng(0)

@@ -13,10 +13,11 @@ the baselines ignore the capacity), and planning time per global batch.
 
 Cost models: ``sparsebalance_pl.latency.LatencyModel.analytic`` for Qwen2.5-0.5B (block 64, stride 16)
 at density 1 ("dense") or at the length prior of ``DensityEstimator`` ("sparse"). The planner is given
-the same cost model it is scored with. Run from the repository root (PYTHONPATH is not needed after
-``pip install -e .``):
+the same cost model it is scored with. The document lengths are the WLB-LLM and ProLong samples of
+``--data`` (``doclens_*.json``):
 
-    PYTHONPATH=. python benchmarks/planner.py [--data ../shared/data] [--steps 200] [--window 32]
+    python benchmarks/planner.py [--data ../shared/data] [--steps 200] [--window 32]
+    python benchmarks/planner.py --steps 20 --ranks 8 --capacities 65536   # a smoke run
 """
 
 from __future__ import annotations

@@ -232,6 +232,22 @@ def _split(items: list, val_fraction: float, seed: int) -> tuple[list, list]:
     return [x for x, v in zip(items, is_val) if not v], [x for x, v in zip(items, is_val) if v]
 
 
+def source_file_splits(manifest: dict) -> tuple[list[str], list[str]]:
+    """(train files, val files) of a corpus built from files, divided as ``build_splits`` divided them, read off
+    its manifest: a study of held-out text learns which files a split holds without building anything. A
+    synthetic corpus, which has no files, raises ``DataError``."""
+    source = manifest["source"]
+    if not source.get("files"):
+        raise DataError(f"a {source['kind']} corpus lists no source files in its {MANIFEST}")
+    return _split(list(source["files"]), manifest["val_fraction"], source.get("seed", 0))
+
+
+def source_documents(path: str, manifest: dict) -> Iterator[dict]:
+    """The documents ``build_splits`` made of the source file ``path`` under the manifest's tokenizer, length and
+    oversize settings, so a study can match a corpus's documents to the files they came from."""
+    return _folder_samples(path, manifest["tokenizer"], manifest["max_doc_tokens"], manifest.get("oversize", "split"))
+
+
 def build_splits(
     out_dir: str,
     source: SyntheticSource | FolderSource,

@@ -13,7 +13,8 @@
 # Qwen2.5-0.5B's dimensions at 32K tokens, dense against sparse at density 0.25. It ends with one table of the
 # figures against their targets. Each part's log and JSON land in $OUT (the device tool brings them back).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+# run from the repository root; the benchmarks import the package from this checkout, installed or not
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mode=${1:-}
 OUT=${OUT:-outputs/gpu_check}
 started=$SECONDS

@@ -11,7 +11,8 @@
 # check keeps the first piece and the wheels' install in /tmp. The default of 96 files and two variants is sized to
 # finish within one call (the emulation report has the timings it was sized from).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site  # outside the checkout: stays while the machine is warm
+# the wheels in /tmp/site (outside the checkout: they stay while the machine is warm), the package from the checkout
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
 OUT=${OUT:-outputs/gpu}  # the device machine sets OUT; what is under it comes back
 started=$SECONDS
 stamp() { echo "== $1 at $((SECONDS - started)) s"; }

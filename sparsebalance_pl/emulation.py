@@ -61,9 +61,8 @@ class EmulatedStep:
 
     Attributes:
         rank_seconds: each rank's forward and backward, measured alone, over its micro-batches, less the time
-            spent measuring recall (``SparsityReport.measurement_seconds``: at 64 rows on the narrow model
-            0.27-0.37 s a pack, 11-13% of a pack of short documents' time and 3-6% of a 16K-token document's,
-            docs/RESULTS.md fourteenth pass; a run without ``recall_rows`` does not spend it).
+            spent measuring recall (``SparsityReport.measurement_seconds``): that measurement is the benchmark's
+            instrumentation, which a run without ``recall_rows`` does not spend, and a rank's time is its work.
         optimizer_seconds: gradient clipping, the optimiser and the schedule.
         tokens: tokens of the step over all ranks (padding included, as the ranks compute them).
         loss: mean loss per loss-bearing token over all ranks and micro-batches.
@@ -109,10 +108,10 @@ class EmulatedRanks:
         gradient_clip: clip the gradients to this, as ``trainer.gradient_clip_val`` does.
         gradient_clip_algorithm: ``"norm"`` (the global norm) or ``"value"`` (each element), as the Trainer's.
         repeats: run each rank's micro-batch this many times and take the median time (the lower middle of an
-            even count). A shared CPU's clock strays by 0.07-0.15 (log-normal spread) for identical work
-            (``benchmarks/timing_noise.py``), and a balanced step lasts as long as its slowest rank, so that
-            stray, which a GPU's kernels do not have, adds 10-35% to a balanced step of 8-32 ranks; the median of
-            three narrows it. The extra runs' gradients are dropped.
+            even count). A shared CPU's clock strays for identical work (``experiments/timing_noise.py`` measures
+            by how much), and a balanced step lasts as long as its slowest rank, so that stray, which a GPU's
+            kernels hardly have, lengthens a balanced step of many ranks; the median of three narrows it. The
+            extra runs' gradients are dropped.
     """
 
     def __init__(

@@ -8,7 +8,7 @@ stops short of the anchor by that error (the margin), since overshooting it woul
 ``DSTController.plan`` takes every rank's documents for the coming micro-batch and returns every rank's
 budgets. Given the same inputs and the same cost model state it decides the same on every rank. So the
 ``DynamicSparsityTuning`` callback needs one exchange of document lengths per step and no other, and an
-emulation of N ranks in one process calls the very same rule (``benchmarks/end_to_end.py``). The rule itself is
+emulation of N ranks in one process calls the very same rule (``sparsebalance_pl.comparison``). The rule itself is
 ``sparsebalance_pl.dst.budget``; the predictions, and the recall prices of the adaptive anchor, come from the run's
 ``CostModel``, which learns them from every step.
 """

@@ -5,7 +5,6 @@ check: each step's loss (the last micro-batch's, as Lightning logs it) follows t
 
 import csv
 import hashlib
-import json
 import math
 import os
 import re
@@ -86,28 +85,32 @@ BALANCED = "sparsebalance:anchor=adaptive,recall_tolerance=0.001"
 
 
 @pytest.mark.slow
-def test_end_to_end_benchmark_emulates_ranks_and_writes_every_step(tmp_path):
-    """``benchmarks/end_to_end.py --ranks 3`` as a user runs it: one epoch per variant over the same documents,
-    results in the issue's schema (every step's per-rank seconds) and the regime it ran in; SparseBalance with
-    settings of its own, as a run comparing DST's settings names it."""
+def test_an_emulated_comparison_keeps_every_step_and_the_simulation_predicts_it(tmp_path, monkeypatch):
+    """Variants over 3 emulated ranks, as ``benchmarks/end_to_end.py --ranks 3`` runs them: one epoch per variant
+    over the same documents, every step's per-rank seconds and the regime it ran in kept with the settings;
+    SparseBalance with settings of its own, as a run comparing DST's settings names it. The simulation's check
+    then predicts the same plans, and a study replays one of DST's decisions from what the run kept."""
+    from sparsebalance_pl.comparison import emulate_variants, load_results, regime, save_results
+    from sparsebalance_pl.simulation import check_against_emulation
+    from sparsebalance_pl.variants import ComparisonSettings, merged_configs
+
+    monkeypatch.chdir(tmp_path)  # the corpus and the latency table go to the configuration's relative folders
     small = tmp_path / "small.yaml"
     small.write_text("model:\n  model:\n    overrides: {num_layers: 1}\ndata:\n  corpus: {build_workers: 1}\n"
                      "  batching: {num_workers: 0}\n")
     out = tmp_path / "e2e"
-    run = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--ranks", "3", "--config",
-         str(REPO / "configs" / "demo.yaml"), "--config", str(small), "--epoch-documents", "60", "--max-tokens", "512",
-         "--variants", "static", BALANCED, "--warmup", "1", "--calibrate-steps", "2", "--repeats", "3",
-         "--out", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
-    assert results["regime"]["ranks"] == 3 and 0 < results["regime"]["baseline_attention_share_of_compute"] < 1
-    assert results["regime"]["timing_repeats"] == 3
-    assert results["regime"]["spare_cpu_cores"] >= 0 and not results["regime"]["other_cpu_cores"] < 0
+    settings = ComparisonSettings(configs=[REPO / "configs" / "demo.yaml", small], variants=["static", BALANCED],
+                                  out=out, ranks=3, epoch_documents=60, max_tokens=512, warmup=1, calibrate_steps=2,
+                                  repeats=3)
+    base = merged_configs(settings.configs)
+    summaries = emulate_variants(base, settings, 0)
+    save_results(settings, summaries, regime(base, summaries, settings))
+    kept, variants, run = load_results(out)
+    assert kept == settings
+    assert run["ranks"] == 3 and 0 < run["baseline_attention_share_of_compute"] < 1 and run["timing_repeats"] == 3
+    assert run["spare_cpu_cores"] >= 0 and not run["other_cpu_cores"] < 0
     for name in ("static", BALANCED):
-        variant = results["variants"][name]
+        variant = variants[name]
         assert variant["steps"] and all(len(step["rank_s"]) == 3 for step in variant["steps"])
         assert all(step["step_s"] >= max(step["rank_s"]) for step in variant["steps"])
         assert variant["tokens"] == sum(step["tokens"] for step in variant["steps"]) > 0
@@ -117,42 +120,29 @@ def test_end_to_end_benchmark_emulates_ranks_and_writes_every_step(tmp_path):
                          for step in variant["steps"])
         assert variant["first_run_total_s"] == pytest.approx(first_runs)
         assert math.isfinite(variant["val_loss"]) and 0 < variant["recall"] <= 1
-    assert (out / "results.md").exists() and (out / "imbalance.png").exists()
     # the simulator predicts the same plans from the state each variant started its epoch with
-    check = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "simulate.py"), "check", "--emulated", str(out),
-         "--out", str(tmp_path / "check")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )
-    assert check.returncode == 0, check.stderr[-3000:]
-    checked = json.loads((tmp_path / "check" / "check.json").read_text())
+    checked = check_against_emulation(out, tmp_path / "check")
     assert set(checked["rows"]) == {"static", BALANCED} and checked["rank_noise"] >= 0
     for name, row in checked["rows"].items():
-        measured = sum(max(step["rank_s"]) for step in results["variants"][name]["steps"])
+        measured = sum(max(step["rank_s"]) for step in variants[name]["steps"])
         assert row["measured_s"] == pytest.approx(measured) and row["predicted_s"] >= row["exact_s"] > 0
         # every step's rank-seconds shared evenly, the ranks straying by the calibration's noise: at least the
         # mean rank, at most what 3 such ranks' factors add up to (E[max] <= 3 E[factor] = 3 exp(noise^2 / 2))
-        mean_ranks = sum(sum(step["rank_s"]) / 3 for step in results["variants"][name]["steps"])
+        mean_ranks = sum(sum(step["rank_s"]) / 3 for step in variants[name]["steps"])
         assert 0.99 * mean_ranks <= row["balanced_s"] <= 3 * math.exp(checked["rank_noise"] ** 2 / 2) * mean_ranks
-        static = sum(max(step["rank_s"]) for step in results["variants"]["static"]["steps"])
+        static = sum(max(step["rank_s"]) for step in variants["static"]["steps"])
         assert row["noise_ceiling"] == pytest.approx(static / row["balanced_s"])
         other = "static" if name == BALANCED else BALANCED  # fitted on the other's every round
-        assert row["replayed_rounds"] == len(results["variants"][other]["steps"]) and row["held_out_s"] > 0
-    rejected = subprocess.run([sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--ranks", "3",
-                               "--report-only"], capture_output=True, text=True, timeout=60)
-    assert rejected.returncode == 2 and "--report-only" in rejected.stderr
-    rejected = subprocess.run([sys.executable, str(REPO / "benchmarks" / "end_to_end.py"), "--repeats", "3"],
-                              capture_output=True, text=True, timeout=60)
-    assert rejected.returncode == 2 and "--repeats 3 needs --ranks" in rejected.stderr
+        assert row["replayed_rounds"] == len(variants[other]["steps"]) and row["held_out_s"] > 0
     # DST's decision of the last step, replayed from the state its epoch started with, beside what it did
-    last = len(results["variants"][BALANCED]["steps"]) - 1
+    last = len(variants[BALANCED]["steps"]) - 1
     replay = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "emulated_steps.py"), str(out), "--replay", BALANCED, str(last)],
+        [sys.executable, str(REPO / "experiments" / "emulated_steps.py"), str(out), "--replay", BALANCED, str(last)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert replay.returncode == 0, replay.stderr[-3000:]
     rows = [line for line in replay.stdout.splitlines() if re.match(r"\| \d+ \|", line)]
-    records = results["variants"][BALANCED]["steps"][last]["rounds"][0]["records"]
+    records = variants[BALANCED]["steps"][last]["rounds"][0]["records"]
     assert len(rows) == 3
     tokens = [sum(record["lengths"]) for record in records]
     measured = sum(n * (r["report"]["recall"] - r["report"]["base_recall"]) for n, r in zip(tokens, records))

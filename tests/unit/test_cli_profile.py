@@ -33,7 +33,7 @@ def test_profile_stacks_configs_and_overrides_like_fit(monkeypatch, tmp_path):
     overlay = tmp_path / "overlay.yaml"
     overlay.write_text("model:\n  attention:\n    block_size: 16\n    stride: 8\n")
     main([
-        "profile", "--config", DEMO, "--config", str(CONFIGS / "sharp.yaml"), "--config", str(overlay),
+        "profile", "--config", DEMO, "--config", str(CONFIGS / "experiments" / "sharp.yaml"), "--config", str(overlay),
         "--model.attention.block_size=32", *SHORT, "--output", str(tmp_path / "table.json"),
     ])
     assert (seen["kernels"].block_size, seen["kernels"].stride) == (32, 8)  # the override beats the overlay

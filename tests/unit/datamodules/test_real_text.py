@@ -8,7 +8,9 @@ from main_runner import REPO
 from main_runner import error_of as _error_of
 
 from sparsebalance_pl.datamodules import BatchingConfig, CorpusConfig, LongContextDataModule
-from sparsebalance_pl.datamodules.builder import InstalledTextSource, default_real_text_roots, load_lengths
+from sparsebalance_pl.datamodules.builder import (
+    InstalledTextSource, default_real_text_roots, load_lengths, read_manifest, source_documents, source_file_splits,
+)
 from sparsebalance_pl.errors import DataError
 
 
@@ -86,6 +88,14 @@ def test_datamodule_builds_the_corpus_with_the_folder_pipeline(roots, tmp_path, 
     assert "notes.txt: not valid UTF-8" in capfd.readouterr().err
     batch = next(iter(dm.train_dataloader()))
     assert int(batch["cu_seqlens"][-1]) == batch["input_ids"].shape[1] <= 512
+    # the manifest alone tells which files each split holds, and what the builder made of each file
+    manifest = read_manifest(tmp_path / "data")
+    train_files, val_files = source_file_splits(manifest)
+    assert val_files and sorted(train_files + val_files) == sorted(dm.source.files)
+    val_lengths = [len(doc["tokens"]) for path in val_files for doc in source_documents(path, manifest)]
+    assert sorted(val_lengths) == sorted(load_lengths(tmp_path / "data" / "val").tolist())
+    with pytest.raises(DataError, match="a synthetic corpus lists no source files"):
+        source_file_splits({"source": {"kind": "synthetic", "num_documents": 10}, "val_fraction": 0.1})
 
 
 def test_bad_roots_stop_the_command_line_with_one_line(capsys, monkeypatch, tmp_path):

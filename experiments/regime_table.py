@@ -1,8 +1,8 @@
-"""Regime table of sparse attention on the real model (issue 17, item 6).
+"""Regime table of sparse attention on the real model: selection quality and retrieval by length and kind of text.
 
 For each context length, each kind of text (prose, code) and each tau, the zero-shot selection quality of the
-default selection (``base`` of ``benchmarks/selection_quality.py``, whose machinery this reuses: density, exact
-recall over every query row, estimated recall, next-token loss against dense attention on the same streams), and
+default selection (``sparsebalance_pl.selection_quality``, as ``experiments/selection_quality.py`` measures it:
+density, exact recall over every query row, estimated recall, next-token loss against dense attention), and
 per length the synthetic retrieval accuracy (pass key, multi-key needle: ``datamodules/eval_tasks.py``, scored
 by teacher-forced exact match as ``main.py test`` scores them) with dense attention and with the project's sparse
 attention (``sparsebalance_pl.attention``, the selection and block-sparse kernel training uses) at each tau.
@@ -15,10 +15,10 @@ prose (``classify_path``). Documents whose file changed or vanished since the bu
 out (counted in the results). A kind whose documents in ``--split`` are too few for the requested streams is
 taken from ``--fallback-split`` (the pretrained model never saw either split of this corpus), said per cell.
 
-    python benchmarks/regime_table.py --lengths 1024 2048 4096 --taus 0.8 0.9 0.95 --streams 1 --samples 2 \\
+    python experiments/regime_table.py --lengths 1024 2048 4096 --taus 0.8 0.9 0.95 --streams 1 --samples 2 \\
         --out outputs/regime_table
 
-Lengths run smallest first; results.json and results.md are rewritten after every tau and every attention, so
+Lengths run smallest first; results.json and table.md are rewritten after every tau and every attention, so
 an interrupted run keeps what it measured. Runs split by part, length or kind (``--parts``, ``--lengths``,
 ``--kinds``) are put in one table with ``--merge DIR [DIR ...] --out DIR``.
 """
@@ -36,9 +36,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import selection_quality as sq  # noqa: E402
+from sparsebalance_pl.datamodules.builder import source_documents, source_file_splits
+from sparsebalance_pl.errors import DataError
+from sparsebalance_pl.selection_quality import (
+    IMPLEMENTATION, SelectionVariant, dense_losses, load_documents, pack_streams, sparse_pass, summarise,
+)
 
 KINDS = ("prose", "code")
 CODE_SUFFIXES = (".py",)
@@ -92,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-seed", type=int, default=1234)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default=None, help="folder for results.json and results.md")
+    parser.add_argument("--out", default=None, help="folder for results.json and table.md")
     parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                         help="measure nothing: merge the results.json of these runs' folders into --out")
     args = parser.parse_args(argv)
@@ -136,14 +138,12 @@ def check_args(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------------- documents
 def split_files(manifest: dict, split: str) -> list[str]:
     """The source files of ``split`` as ``build_splits`` divided the manifest's files."""
-    from sparsebalance_pl.datamodules.builder import _split
-
-    files = manifest.get("source", {}).get("files")
-    if not files:
-        raise UsageError("the corpus's manifest.json lists no source files (a synthetic corpus has no kinds)")
-    train, val = _split(list(files), manifest["val_fraction"], manifest["source"].get("seed", 0))
     if split not in ("train", "val"):
         raise UsageError(f"--split {split}: must be train or val")
+    try:
+        train, val = source_file_splits(manifest)
+    except DataError as err:
+        raise UsageError(f"{err} (a synthetic corpus has no kinds)") from None
     return train if split == "train" else val
 
 
@@ -154,8 +154,6 @@ def match_kinds(docs: list[np.ndarray], pieces: dict[bytes, str]) -> list[str | 
 
 def encoded_pieces(files: list[str], manifest: dict, kinds: set[str]) -> dict[bytes, str]:
     """token bytes -> kind of every piece the builder made of ``files`` of the wanted ``kinds``."""
-    from sparsebalance_pl.datamodules.builder import _folder_samples
-
     pieces = {}
     for path in files:
         try:
@@ -164,8 +162,7 @@ def encoded_pieces(files: list[str], manifest: dict, kinds: set[str]) -> dict[by
             continue
         if kind not in kinds or not Path(path).is_file():
             continue
-        for sample in _folder_samples(path, manifest["tokenizer"], manifest["max_doc_tokens"],
-                                      manifest.get("oversize", "split")):
+        for sample in source_documents(path, manifest):
             pieces[np.asarray(sample["tokens"], dtype=np.int64).tobytes()] = kind
     return pieces
 
@@ -182,7 +179,7 @@ class KindDocuments:
 
     def get(self, split: str, kind: str) -> list[np.ndarray]:
         if (split, kind) not in self.found:
-            docs = sq.load_documents(self.data_dir, split)
+            docs = load_documents(self.data_dir, split)
             kinds = match_kinds(docs, encoded_pieces(split_files(self.manifest, split), self.manifest, {kind}))
             self.found[split, kind] = [d for d, k in zip(docs, kinds) if k == kind]
             self.counts.setdefault(split, {"documents": len(docs)})[kind] = {
@@ -198,26 +195,21 @@ def kind_streams(documents: KindDocuments, splits: list[str], kind: str, length:
     """``count`` streams of ``kind`` from the first of ``splits`` that has enough of its tokens."""
     for split in splits:
         try:
-            return sq.pack_streams(documents.get(split, kind), length, count, seed), split
-        except SystemExit:
+            return pack_streams(documents.get(split, kind), length, count, seed), split
+        except DataError:
             continue
     raise UsageError(f"too few {kind} tokens in {' or '.join(splits)} for {count} streams of {length} tokens")
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
 def quality_cells(model, streams: list[dict], taus: list[float], block_size: int, num_layers: int) -> Iterator[dict]:
-    """The ``base`` selection at each tau on ``streams``: selection_quality's summary, one tau at a time."""
-    variant = sq.Variant.parse("base")
-    dense = [sq.forward(model, s, sq.Run(s["cu_seqlens"], block_size, None, 1.0)) for s in streams]
+    """The ``base`` selection at each tau on ``streams``, summed up as ``selection_quality.summarise`` does, one
+    tau at a time."""
+    variant = SelectionVariant.parse("base")
+    dense = list(dense_losses(model, streams, block_size))
     for tau in taus:
-        per_stream = []
-        for s in streams:
-            run = sq.Run(s["cu_seqlens"], block_size, variant, tau)
-            start = time.perf_counter()
-            loss_sum, tokens = sq.forward(model, s, run)
-            per_stream.append({"loss_sum": loss_sum, "tokens": tokens, "layers": run.layers,
-                               "seconds": time.perf_counter() - start})
-        yield {"tau": tau, **sq.summarise(variant, per_stream, dense, num_layers)}
+        per_stream = list(sparse_pass(model, streams, variant, tau, block_size))
+        yield {"tau": tau, **summarise(variant, per_stream, dense, num_layers)}
 
 
 @torch.no_grad()
@@ -297,7 +289,7 @@ def write(out: Path | None, results: dict) -> None:
         return
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(results) + "\n")
+    (out / "table.md").write_text(markdown(results) + "\n")
 
 
 def merge(folders: list[Path]) -> dict:
@@ -348,7 +340,7 @@ def main(argv=None) -> None:
     splits = list(dict.fromkeys([args.split] + ([] if args.fallback_split == "none" else [args.fallback_split])))
     quality_model = None
     if "quality" in args.parts:
-        quality_model = sq.ModelConfig(pretrained_path=args.model).build(sq.IMPLEMENTATION).eval()
+        quality_model = ModelConfig(pretrained_path=args.model).build(IMPLEMENTATION).eval()
     num_layers = ModelConfig(pretrained_path=args.model).dims().num_layers
     meta = {"model": args.model, "data": args.data, "split": args.split, "fallback_split": args.fallback_split,
             "block_size": args.block_size, "streams": args.streams, "samples": args.samples, "tasks": args.tasks,

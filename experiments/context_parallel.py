@@ -35,8 +35,8 @@ alternately, repetition by repetition, medians of the slowest rank. Whole-docume
 each rank attends a whole document alone (``block_sparse_attention``, both ranks at once, so two documents in
 the time of one) against both documents through the 2-rank ring one after the other.
 
-    python benchmarks/context_parallel.py --out outputs/context_parallel
-    python benchmarks/context_parallel.py --quick --out /tmp/cp   # 2 layers, doc8k only, 2 reps
+    python experiments/context_parallel.py --out outputs/context_parallel
+    python experiments/context_parallel.py --quick --out /tmp/cp   # 2 layers, doc8k only, 2 reps
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 # What sparse_ring_attention runs: striped, with the first block (the sink) of each document longer than W blocks
@@ -73,7 +72,7 @@ DOC_TOKENS = 8192  # the model's context; longer files are cut into documents of
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Part 1: layouts and their kept-tile balance (pure functions of a mask; tests/unit/test_context_parallel_bench.py)
+# Part 1: layouts and their kept-tile balance (pure functions of a mask)
 
 
 def owners(num_blocks: int, world_size: int, layout: str) -> torch.Tensor:
@@ -427,7 +426,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load-retries", type=int, default=5)
     p.add_argument("--skip-ring", action="store_true", help="Part 1 only")
     p.add_argument("--quick", action="store_true", help="doc8k, W <= 8, 2 repetitions: a smoke run")
-    p.add_argument("--out", default=None, help="folder for results.json, results.md and imbalance.png")
+    p.add_argument("--out", default=None, help="folder for results.json, table.md and imbalance.png")
     args = p.parse_args(argv)
     if args.quick:
         args.streams, args.world_sizes, args.reps, args.ring_stream = ["doc8k"], [2, 4, 8], 2, "doc8k"
@@ -653,10 +652,10 @@ def main(argv=None) -> None:
     text = "\n".join(lines)
     print(text)
     if out:
-        (out / "results.md").write_text(text + "\n")
+        (out / "table.md").write_text(text + "\n")
         (out / "results.json").write_text(json.dumps(_jsonable(results), indent=1) + "\n")
         plot(results, out / "imbalance.png")
-        progress(f"wrote {out}/results.json, results.md, imbalance.png")
+        progress(f"wrote {out}/results.json, table.md, imbalance.png")
 
 
 def ring_part(args, cap: _Capture, candidates: torch.Tensor, cu: torch.Tensor) -> dict:

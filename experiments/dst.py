@@ -1,4 +1,4 @@
-"""Static budget against dynamic sparsity tuning (issue 6): 2 FSDP2 ranks on the CPU, demo model.
+"""Static budget against dynamic sparsity tuning: 2 FSDP2 ranks on the CPU, demo model, a straggler by construction.
 
 Every step rank 0 trains on one long document and rank 1 on several short ones with the same total tokens,
 so rank 0 is the straggler by construction: by default 8192 tokens against eight documents of 1024. With
@@ -16,7 +16,7 @@ blocks at tau 0.9, near-uniform attention keeps about tau of them). ``--out`` ge
 summaries and every measured step's DST metrics as JSON. Timings on a shared CPU are noisy: read the
 ratios, not the absolute times.
 
-    python benchmarks/dst.py [--tokens 8192] [--short-docs 8] [--steps 8] [--warmup 3] [--rounds 1] [--init DIR]
+    python experiments/dst.py [--tokens 8192] [--short-docs 8] [--steps 8] [--warmup 3] [--rounds 1] [--init DIR]
         [--latency-table outputs/latency_cpu.json]
 """
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -33,13 +32,12 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from sparsebalance_pl.attention import AttentionConfig  # noqa: E402
-from sparsebalance_pl.callbacks.dst import DynamicSparsityTuning  # noqa: E402
-from sparsebalance_pl.datamodules.packing import collate_packed  # noqa: E402
-from sparsebalance_pl.model import ModelConfig  # noqa: E402
-from sparsebalance_pl.module import OptimConfig, SparseCausalLM  # noqa: E402
-from sparsebalance_pl.strategy import FSDP2Strategy  # noqa: E402
+from sparsebalance_pl.attention import AttentionConfig
+from sparsebalance_pl.callbacks.dst import DynamicSparsityTuning
+from sparsebalance_pl.datamodules.packing import collate_packed
+from sparsebalance_pl.model import ModelConfig
+from sparsebalance_pl.module import OptimConfig, SparseCausalLM
+from sparsebalance_pl.strategy import FSDP2Strategy
 
 VARIANTS = [("static", 0.0)] + [(a, p) for p in (0.05, 0.1, 0.2) for a in ("min", "mean", "max", "adaptive")]
 

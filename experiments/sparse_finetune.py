@@ -1,10 +1,10 @@
-"""Sparse fine-tuning closes the gap (issue 17, item 5).
+"""Does sparse fine-tuning close the gap that sparse attention costs a pretrained model?
 
 Sparse attention costs a pretrained model some loss. Does fine-tuning *with* sparse attention win it back? From
 one base model, two copies are fine-tuned on the same training documents in the same order, with the same steps
 and optimiser settings: one with dense attention, one with sparse attention at a fixed budget (``--tau``). Both
-are then scored like the base model on held-out streams, with the passes of ``selection_quality.py`` (sparse
-loss, density, exact recall over every query row, estimated recall; dense loss of the same model), and the gap
+are then scored like the base model on held-out streams, with the passes of ``sparsebalance_pl.selection_quality``
+(sparse loss, density, exact recall over every query row, estimated recall; dense loss of the same model), and the gap
 before (base model, sparse against dense) is set against the gap after (the sparse fine-tune's sparse loss
 against the dense fine-tune's dense loss: the same steps spent with dense attention). The dense fine-tune's own
 gap (its sparse loss against its dense loss) is what fine-tuning on this text does without sparse training.
@@ -22,15 +22,16 @@ per run, then ``main.py export``. What the overrides change, and why:
 - no validation during training, one checkpoint at the end.
 
 Held out: the evaluation streams come from the ``val`` split of ``--eval-data``; training reads the ``train``
-split of its own corpus only. Both corpora split files, not documents, into train and val (the builder's
-``_split``); the benchmark reproduces both splits from their manifests, confirms each reproduced val split by
-re-encoding its files (they must give exactly the split's documents), and then checks (1) that no training file
-is an evaluation file, by path or by content, and (2) at token level, which ``--ngram``-token windows of each
-val document occur anywhere in the training split. Distinct files can still be near-copies (a licence's next
-version, code generated from another file): val documents with more than ``--max-shared`` of their windows in
-training are dropped before the streams are packed, and the share left in the streams is reported.
+split of its own corpus only. Both corpora split files, not documents, into train and val
+(``builder.source_file_splits``); the study reproduces both splits from their manifests, confirms each
+reproduced val split by re-encoding its files (they must give exactly the split's documents), and then checks
+(1) that no training file is an evaluation file, by path or by content, and (2) at token level, which
+``--ngram``-token windows of each val document occur anywhere in the training split. Distinct files can still
+be near-copies (a licence's next version, code generated from another file): val documents with more than
+``--max-shared`` of their windows in training are dropped before the streams are packed, and the share left in
+the streams is reported.
 
-    python benchmarks/sparse_finetune.py --length 4096 --streams 3 --steps 8 --lr 1e-4 --warmup-steps 1 \\
+    python experiments/sparse_finetune.py --length 4096 --streams 3 --steps 8 --lr 1e-4 --warmup-steps 1 \\
         --out outputs/sparse_finetune
 
 (the defaults: about 50 minutes on 2 shared CPU cores).
@@ -56,13 +57,14 @@ import numpy as np
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
-sys.path.insert(0, str(REPO / "benchmarks"))
-import selection_quality as sq  # noqa: E402
+from sparsebalance_pl.datamodules.builder import read_manifest, source_documents, source_file_splits
+from sparsebalance_pl.errors import DataError
+from sparsebalance_pl.model import ModelConfig
+from sparsebalance_pl.selection_quality import (
+    IMPLEMENTATION, SelectionVariant, dense_losses, load_documents, pack_streams, sparse_pass, summarise,
+)
 
-from sparsebalance_pl.datamodules.builder import _folder_samples, _split, read_manifest  # noqa: E402
-from sparsebalance_pl.model import ModelConfig  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 BACKENDS = ("dense", "sparse")
 FIT_KEYS = ("model", "config", "length", "tau", "block_size", "stride", "steps", "lr", "warmup_steps", "min_lr_ratio",
@@ -102,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="further taus at which the fine-tunes are scored, to compare them at the base density")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the evaluations")
     parser.add_argument("--resume", action="store_true", help="reuse finished phases of an earlier run in --out")
-    parser.add_argument("--out", required=True, help="folder for the runs, results.json and results.md")
+    parser.add_argument("--out", required=True, help="folder for the runs, results.json and table.md")
     args = parser.parse_args(argv)
     problems = [
         (args.steps < 1, f"--steps={args.steps} must be at least 1"),
@@ -245,11 +247,11 @@ def export(run_dir: Path) -> Path:
 
 # ---------------------------------------------------------------------------------------- held-out check
 def split_files(manifest: dict) -> tuple[list[str], list[str]]:
-    """(train files, val files) of a folder or installed corpus, as ``build_splits`` split them (those sources
-    have no seed of their own: the builder splits with seed 0)."""
-    if manifest["source"]["kind"] not in ("folder", "installed"):
-        raise SystemExit(f"error: a {manifest['source']['kind']} corpus has no files to check the split by")
-    return _split(list(manifest["source"]["files"]), manifest["val_fraction"], 0)
+    """(train files, val files) of a folder or installed corpus, as ``build_splits`` split them."""
+    try:
+        return source_file_splits(manifest)
+    except DataError as err:
+        raise SystemExit(f"error: {err}: the split cannot be checked by files") from None
 
 
 def digest(tokens) -> str:
@@ -259,15 +261,14 @@ def digest(tokens) -> str:
 def confirm_val_split(corpus: Path, manifest: dict, val_files: list[str]) -> dict[str, str]:
     """Re-encoding ``val_files`` must give exactly the documents of the corpus's val split; returns the file of
     each document, by ``digest``."""
-    quiet = logging.getLogger(_folder_samples.__module__)
+    quiet = logging.getLogger(source_documents.__module__)
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the warnings about split documents were printed when the corpus was built
     try:
-        encoded = {digest(s["tokens"]): f for f in val_files
-                   for s in _folder_samples(f, manifest["tokenizer"], manifest["max_doc_tokens"], manifest["oversize"])}
+        encoded = {digest(s["tokens"]): f for f in val_files for s in source_documents(f, manifest)}
     finally:
         quiet.setLevel(level)
-    stored = [digest(d) for d in sq.load_documents(corpus, "val")]
+    stored = [digest(d) for d in load_documents(corpus, "val")]
     if sorted(encoded) != sorted(stored):
         raise SystemExit(f"error: the val files reproduced from {corpus / 'manifest.json'} do not encode to its val "
                          "split (files changed since it was built?): the held-out check cannot be made")
@@ -329,7 +330,10 @@ def held_out_streams(docs: list[np.ndarray], dropped: list[dict], args: argparse
     """``selection_quality``'s evaluation streams, packed from the val documents the held-out check kept."""
     gone = {d["index"] for d in dropped}
     kept = [doc for i, doc in enumerate(docs) if i not in gone]
-    return sq.pack_streams(kept, args.length, args.streams, args.seed)
+    try:
+        return pack_streams(kept, args.length, args.streams, args.seed)
+    except DataError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 def held_out_check(args: argparse.Namespace, train_corpus: Path, docs: list[np.ndarray]) -> dict:
@@ -349,7 +353,7 @@ def held_out_check(args: argparse.Namespace, train_corpus: Path, docs: list[np.n
     files["same_file_list"] = list(eval_manifest["source"]["files"]) == list(train_manifest["source"]["files"])
     if files["shared_paths"] or files["shared_contents"]:
         raise SystemExit(f"error: training files include evaluation files: {files}")
-    train = training_windows(sq.load_documents(train_corpus, "train"), n)
+    train = training_windows(load_documents(train_corpus, "train"), n)
     dropped = []
     for i, doc in enumerate(docs):
         count, hits = window_share(doc, train, n)
@@ -367,10 +371,10 @@ def evaluate(model_dir: str, streams: list[dict], args: argparse.Namespace, labe
     """Dense loss of ``model_dir`` on ``streams``, and the default selection's sparse loss, density, exact and
     estimated recall at ``--tau`` (``selection_quality``'s passes), with per-stream losses; with ``iso``, the
     same sparse figures at each of ``--iso-taus`` too (``iso_density``)."""
-    model = ModelConfig(pretrained_path=model_dir).build(sq.IMPLEMENTATION).eval()
+    model = ModelConfig(pretrained_path=model_dir).build(IMPLEMENTATION).eval()
     dense = []
-    for i, s in enumerate(streams):
-        dense.append(sq.forward(model, s, sq.Run(s["cu_seqlens"], args.block_size, None, 1.0)))
+    for i, loss in enumerate(dense_losses(model, streams, args.block_size)):
+        dense.append(loss)
         progress(f"  {label} dense stream {i + 1}/{len(streams)}")
     result = {"model": model_dir, "dense_loss": _mean_loss(dense), "dense_streams": dense,
               **_sparse_pass(model, streams, dense, args, args.tau, label)}
@@ -379,16 +383,12 @@ def evaluate(model_dir: str, streams: list[dict], args: argparse.Namespace, labe
 
 
 def _sparse_pass(model, streams: list[dict], dense: list, args: argparse.Namespace, tau: float, label: str) -> dict:
-    variant = sq.Variant.parse(f"base:stride={args.stride}")
+    variant = SelectionVariant.parse(f"base:stride={args.stride}")
     per_stream = []
-    for i, s in enumerate(streams):
-        run = sq.Run(s["cu_seqlens"], args.block_size, variant, tau)
-        start = time.perf_counter()
-        loss_sum, tokens = sq.forward(model, s, run)
-        per_stream.append({"loss_sum": loss_sum, "tokens": tokens, "layers": run.layers,
-                           "seconds": time.perf_counter() - start})
-        progress(f"  {label} sparse (tau {tau}) stream {i + 1}/{len(streams)}: {per_stream[-1]['seconds']:.0f} s")
-    summary = sq.summarise(variant, per_stream, dense, model.config.num_hidden_layers)
+    for i, stream in enumerate(sparse_pass(model, streams, variant, tau, args.block_size)):
+        per_stream.append(stream)
+        progress(f"  {label} sparse (tau {tau}) stream {i + 1}/{len(streams)}: {stream['seconds']:.0f} s")
+    summary = summarise(variant, per_stream, dense, model.config.num_hidden_layers)
     return {"tau": tau, "sparse_loss": summary["loss"],
             "sparse_streams": [(s["loss_sum"], s["tokens"]) for s in per_stream],
             **{key: summary[key] for key in ("density", "exact_recall", "estimated_recall", "min_layer_exact_recall",
@@ -559,7 +559,7 @@ def main(argv=None) -> None:
     progress(f"plan: {len(trained)} training documents, {int(lengths[trained].sum())} tokens in {args.steps} steps; "
              "the same micro-batches for both runs")
 
-    docs = sq.load_documents(Path(args.eval_data), "val")
+    docs = load_documents(Path(args.eval_data), "val")
     eval_settings = {k: getattr(args, k) for k in ("eval_data", "length", "streams", "seed", "tau", "block_size",
                                                    "stride", "ngram", "max_shared")}
     check = phases.run("held-out check", {**eval_settings, "corpus": str(data.data_dir)},
@@ -596,9 +596,9 @@ def main(argv=None) -> None:
     text = markdown(rows, summary, args.tau)
     evaluations = {"base": base, "dense-ft": dense_ft, "sparse-ft": sparse_ft}
     parts = [describe(phases.data, check), text, iso_table(evaluations, summary), training_table(runs)]
-    (out / "results.md").write_text("\n\n".join(parts) + "\n")
+    (out / "table.md").write_text("\n\n".join(parts) + "\n")
     print(text)
-    progress(f"done in {time.time() - started:.0f} s; wrote {out / 'results.json'} and {out / 'results.md'}")
+    progress(f"done in {time.time() - started:.0f} s; wrote {out / 'results.json'} and {out / 'table.md'}")
 
 
 def describe(data: dict, check: dict) -> str:

@@ -11,7 +11,7 @@ other work took on the machine's CPUs while the variant ran (``cost.contention``
 not the example's own). Last, per start, in how many rounds DST cut the mean imbalance against p = 0 of the same
 round by at least ``TARGET_CUT`` and by more than p = 0 itself varied between rounds.
 
-    python benchmarks/example_dst.py --steps 20 --rounds 3 --out outputs/example_dst
+    python experiments/example_dst.py --steps 20 --rounds 3 --out outputs/example_dst
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from sparsebalance_pl.cost.contention import measure_contention
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_gpt.py"
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-from sparsebalance_pl.cost.contention import measure_contention  # noqa: E402
 
 RANKS = 2
 #: The least cut of the mean measured imbalance against p = 0 that counts as DST helping.
@@ -58,9 +58,11 @@ def _largest_factor(ratios: np.ndarray) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="at least 2: the noise is how two p = 0 rounds differ")
     parser.add_argument("--out", type=Path, default=Path("outputs/example_dst"))
     args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error(f"--rounds {args.rounds} must be at least 2")
     args.out.mkdir(parents=True, exist_ok=True)
     table = (args.out / "tiny_gpt_latency.json").resolve()
     starts = {"analytic": None, "profiled": table}

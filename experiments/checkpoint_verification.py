@@ -1,8 +1,8 @@
 """What verifying a checkpoint costs (``sparsebalance_pl.checkpoints.damage``: completeness and every file's
 xxh3-64 digest), set against writing and reading the same state.
 
-    python benchmarks/checkpoint_verification.py outputs/demo/checkpoints/last.ckpt
-    python benchmarks/checkpoint_verification.py --qwen05b --dir /tmp
+    python experiments/checkpoint_verification.py outputs/demo/checkpoints/last.ckpt
+    python experiments/checkpoint_verification.py --qwen05b --dir /tmp
 
 The first measures an existing checkpoint folder. The second writes a Qwen2.5-0.5B-sized state (fp32 weights and
 Adam's two moments, about 6 GB) with ``FSDP2Strategy`` into a temporary folder under ``--dir``, measures it and
@@ -30,7 +30,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from sparsebalance_pl import checkpoints
 from sparsebalance_pl.strategy import FSDP2Strategy
 

@@ -10,7 +10,7 @@ the run's longest length, at their base budget, are summed up per variant too, w
 on them where the run had them, and the recall prices by length the variant's epoch started from (its
 ``calibrated_state.json``)::
 
-    python benchmarks/emulated_steps.py outputs/e2e_32f_probes
+    python experiments/emulated_steps.py outputs/e2e_32f_probes
 
 ``--replay VARIANT STEP`` replays DST's decision of one step against what it did: the variant's controller and
 cost model are rebuilt from the state its epoch started with, taught the variant's own earlier steps in order
@@ -22,7 +22,7 @@ rank's whole measured seconds; then the step's predicted and measured change of 
 (cut, raised, unmoved) the medians of measured over predicted attention time and of measured over planned
 move::
 
-    python benchmarks/emulated_steps.py outputs/e2e_32f_bylength --replay sparsebalance 5
+    python experiments/emulated_steps.py outputs/e2e_32f_bylength --replay sparsebalance 5
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ import argparse
 import json
 import statistics
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
-import end_to_end
-
+from sparsebalance_pl.comparison import calibrated_state, load_results, prepare_variant
 from sparsebalance_pl.cost.recall import RecallPrices, length_class, log_move
+from sparsebalance_pl.variants import merged_configs
 
 #: As the adaptive anchor's prices (``RecallPrices.MIN_MOVE``): smaller differences are rounding of kept tiles.
 MIN_MOVE = 1e-3
@@ -43,6 +44,10 @@ MIN_MOVE = 1e-3
 
 def _mean(values) -> float:
     return statistics.fmean(values) if values else float("nan")
+
+
+def _per_move(recall: float, move: float) -> float:
+    return recall / move if move else float("nan")
 
 
 def _density(report: dict, key: str = "density") -> float:
@@ -71,8 +76,10 @@ def group(reports: list[dict]) -> dict:
                "estimated_recall": _mean([_density(r, "estimated_recall") for r in reports]),
                "base_estimated_recall": _mean([_density(r, "base_estimated_recall") for r in reports
                                                if r.get("base_estimated_recall")]),
-               # the price probes' (cut, raise) exact recall per unit of log_move, over the group's ranks
-               "probe_prices": [sum(m[i][1] for _, m in probes) / sum(log_move(b, b + m[i][0]) for b, m in probes)
+               # the price probes' (cut, raise) exact recall per unit of log_move, over the group's ranks (NaN
+               # where the probes could not move: a raise at full density)
+               "probe_prices": [_per_move(sum(m[i][1] for _, m in probes),
+                                          sum(log_move(b, b + m[i][0]) for b, m in probes))
                                 for i in (0, 1)] if probes else None}
     if reports and len(base_recall) == len(reports):
         summary["base_recall"] = _mean(base_recall)
@@ -109,31 +116,28 @@ def longest_alone(variant: dict, longest: int) -> dict:
 def starting_prices(run: Path, name: str) -> RecallPrices:
     """The recall prices that the cost model held when the variant's epoch started; none measured where the run
     kept no such state."""
-    path = end_to_end.run_folder(run, name, 0) / end_to_end.CALIBRATED_STATE
-    state = json.loads(path.read_text())["cost_model"].get("recall_prices", {}) if path.exists() else {}
+    state = calibrated_state(run, name)
     prices = RecallPrices()
-    prices.load_state_dict(state)
+    prices.load_state_dict(state["cost_model"].get("recall_prices", {}) if state else {})
     return prices
 
 
 def replayed_decision(run: Path, name: str, step: int) -> dict:
     """DST's decision of the first micro-batch round of step ``step`` of variant ``name``, replayed (module
     docstring), beside what it did."""
-    results = json.loads((run / "results.json").read_text())
-    path = end_to_end.run_folder(run, name, 0) / end_to_end.CALIBRATED_STATE
-    if name not in results["variants"] or not path.is_file():
+    settings, variants, _ = load_results(run)
+    state = calibrated_state(run, name)
+    if name not in variants or state is None:
         raise SystemExit(f"{run} has no variant {name!r} with a calibrated state to replay from")
-    records = results["variants"][name]["steps"][step]["rounds"][0]["records"]
+    records = variants[name]["steps"][step]["rounds"][0]["records"]
     if any(record["report"].get("base_recall") is None for record in records):
         raise SystemExit(f"step {step} of {name!r} did not measure the base budget's recall on the same rows")
     with tempfile.TemporaryDirectory() as scratch:  # the variant's configuration is written out again there
-        args = end_to_end.parse_args([*results["argv"], "--out", scratch])
-        state = json.loads(path.read_text())
-        _, _, _, controller, _ = end_to_end.prepare_emulated(end_to_end.merged_configs(args.config), name, args, 0,
-                                                             calibrated=state)
+        controller = prepare_variant(merged_configs(settings.configs), name, replace(settings, out=scratch), 0,
+                                     calibrated=state).controller
     cost = controller.cost_model
     cost.warmup_left = 0  # the run's process had warmed up in its calibration steps
-    for earlier in results["variants"][name]["steps"][:step]:
+    for earlier in variants[name]["steps"][:step]:
         for round_ in earlier["rounds"]:  # as the emulation: each round planned, run, then learned from
             controller.plan([record["lengths"] for record in round_["records"]])
             cost.replay(round_)
@@ -141,7 +145,7 @@ def replayed_decision(run: Path, name: str, step: int) -> dict:
     decision = controller.plan(lengths)
     views = controller.outlooks(lengths)
     prices = [cost.recall_prices.prices(ls) for ls in lengths]  # before the step teaches its own
-    done = results["variants"][name]["steps"][step]
+    done = variants[name]["steps"][step]
     seconds = cost.replay(done["rounds"][0])
     ranks, predicted, measured, tokens = [], 0.0, 0.0, 0
     for r, (record, budget, view, (cut, raised)) in enumerate(zip(records, decision.ranks, views, prices)):

@@ -1,15 +1,15 @@
 """How far this machine's clock strays for the same work: one micro-batch on every emulated rank.
 
 An emulated step lasts as long as its slowest rank's measured compute, so the spread of a rank's time for the
-same work sets how far above its mean rank even a perfectly balanced step ends (the noise ceiling in
-docs/RESULTS.md). ``simulate.py check`` infers the ranks' spread from their times against the cost model's
+same work sets how far above its mean rank even a perfectly balanced step ends (the noise ceiling of
+``benchmarks/simulate.py check``). The check infers the ranks' spread from their times against the cost model's
 predictions, which holds the model's own error too. Here every emulated rank gets the same micro-batch, so
-their times differ by the machine alone. Reported per micro-batch: the spread (``simulate.rank_noise``, the
+their times differ by the machine alone. Reported per micro-batch: the spread (``simulation.rank_noise``, the
 same robust estimate as the check's), the lag-1 correlation of successive times (positive: slow spells,
 not independent draws), and the expected slowest of N ranks over the median at that spread. With
 ``--median-of 3`` each timing is the median of three runs, as ``end_to_end.py --repeats 3`` times a rank.
 
-    python benchmarks/timing_noise.py --config configs/demo.yaml --config configs/narrow16k.yaml \\
+    python experiments/timing_noise.py --config configs/demo.yaml --config configs/experiments/narrow16k.yaml \\
         --init outputs/sharp_narrow/hf --threads 1 --repeats 12 --out outputs/timing_noise
 """
 
@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from end_to_end import merged_configs  # noqa: E402
-from simulate import expected_epoch_seconds, rank_noise  # noqa: E402
-from sparsebalance_pl.datamodules.packing import first_fit  # noqa: E402
+from sparsebalance_pl.datamodules.packing import collate_packed, first_fit
+from sparsebalance_pl.emulation import EmulatedRanks, build
+from sparsebalance_pl.simulation import expected_epoch_seconds, rank_noise
+from sparsebalance_pl.variants import merged_configs
 
 RANK_COUNTS = (8, 16, 32)
 
@@ -76,9 +74,6 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    from sparsebalance_pl.datamodules.packing import collate_packed
-    from sparsebalance_pl.emulation import EmulatedRanks, build
-
     config = merged_configs(args.config)
     if args.init != "none":
         config["model"]["model"] = {"pretrained_path": str(Path(args.init).resolve())}
