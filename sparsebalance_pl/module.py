@@ -24,7 +24,7 @@ from sparsebalance_pl.evaluation import Evaluation
 from sparsebalance_pl.loss import globally_normalised_loss
 from sparsebalance_pl.metrics import TokenMeanLoss
 from sparsebalance_pl.model import ModelConfig, PackedCausalLM, decoder_layers
-from sparsebalance_pl.strategy import apply_fully_shard
+from sparsebalance_pl.strategy import apply_fully_shard, attached_trainer
 
 __all__ = ["OptimConfig", "SparseCausalLM"]
 
@@ -132,7 +132,8 @@ class SparseCausalLM(L.LightningModule):
     def configure_model(self) -> None:
         if self.net is not None:
             return
-        device = self.trainer.strategy.root_device if self._trainer is not None else None
+        trainer = attached_trainer(self)
+        device = trainer.strategy.root_device if trainer is not None else None
         hf_model = self.model_config.build(ATTN_IMPLEMENTATION, device=device)
         if self.activation_checkpointing:
             hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -182,7 +183,8 @@ class SparseCausalLM(L.LightningModule):
     @property
     def context_parallel(self) -> ContextParallel:
         """This rank's context-parallel group, as the strategy set it up (a group of one without one)."""
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        trainer = attached_trainer(self)
+        strategy = trainer.strategy if trainer is not None else None
         return getattr(strategy, "context_parallel", None) or ContextParallel()
 
     def group_share(self, batch: dict) -> dict:

@@ -15,16 +15,28 @@ default root directory.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
+from pathlib import Path
 
 import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-__all__ = ["SlurmRequeue"]
+__all__ = ["SlurmRequeue", "next_hpc_checkpoint"]
+
+_HPC_CHECKPOINT = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
+
+
+def next_hpc_checkpoint(root_dir: str | os.PathLike) -> str:
+    """``hpc_ckpt_<n>.ckpt`` in ``root_dir``, one past the highest there: the name under which Lightning's resume
+    under SLURM, which loads the highest, finds the newest save."""
+    numbers = [int(match.group(1)) for path in Path(root_dir).glob("hpc_ckpt_*.ckpt")
+               if (match := _HPC_CHECKPOINT.fullmatch(path.name))]
+    return str(Path(root_dir) / f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt")
+
 
 
 class SlurmRequeue(Callback):
@@ -60,7 +72,7 @@ class SlurmRequeue(Callback):
         if not trainer.strategy.reduce_boolean_decision(self._signalled, all=False):
             return
         # One name for every rank: each listing the folder on its own could see another rank's new checkpoint.
-        path = trainer.strategy.broadcast(_CheckpointConnector.hpc_save_path(trainer.default_root_dir))
+        path = trainer.strategy.broadcast(next_hpc_checkpoint(trainer.default_root_dir))
         trainer.save_checkpoint(path)
         for logger in trainer.loggers:  # scontrol requeue ends this job at once: write out the logs first
             logger.finalize("finished")

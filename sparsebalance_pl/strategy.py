@@ -31,9 +31,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -43,7 +43,7 @@ from sparsebalance_pl.context_parallel import ContextParallel, check_size, creat
 from sparsebalance_pl.distributed import gather_objects, is_collective_failure
 from sparsebalance_pl.errors import TrainingError
 
-__all__ = ["FSDP2Strategy", "apply_fully_shard"]
+__all__ = ["FSDP2Strategy", "apply_fully_shard", "attached_trainer"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().__init__(data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
                          process_group_backend, timeout)
         check_size(context_parallel_size)
+        self.timeout = timeout
         self.context_parallel_size = context_parallel_size
         self.context_parallel = ContextParallel()
 
@@ -84,12 +85,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._data_parallel_size == "auto":
             self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
         super().setup_environment()
-        self.context_parallel = create_context_parallel(self.context_parallel_size, self.num_processes, self._timeout)
+        self.context_parallel = create_context_parallel(self.context_parallel_size, self.num_processes, self.timeout)
         if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             _share_cores(self.num_processes)
 
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
     ) -> None:
         """Write to ``.partial/<name>`` beside ``path`` and let rank 0 move it to ``path`` only after every rank
         has written its part, so that a kill during the save never leaves a partial checkpoint under the name."""
@@ -110,7 +111,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             checkpoints.install(staging, path)
         self.barrier("checkpoint_installed")
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """Verify the checkpoint before anything of it is loaded, then load it as Lightning does; damaged, or
         missing after a save cut short, it stops every rank with one message, or gives way to the newest
         intact checkpoint beside it (``fall_back_to_intact``)."""
@@ -162,7 +163,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if unverified is not None:
             rank_zero_warn(unverified)
 
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
         """Rename before deleting, so that a removal cut short leaves no damaged checkpoint under the name."""
         if self.is_global_zero:
             checkpoints.remove(Path(filepath))
@@ -176,15 +177,24 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().on_exception(exception)
         if not is_collective_failure(exception):
             return
-        trainer = getattr(self.lightning_module, "_trainer", None)  # None when it failed before the module was set
+        trainer = attached_trainer(self.lightning_module)  # None when it failed before the module was set
         where = f"at global step {trainer.global_step} (epoch {trainer.current_epoch})" if trainer else "at start"
         log.error(
             f"rank {self.global_rank} {where}: a "
-            f"collective failed or did not complete within {self._timeout} (trainer.strategy.init_args.timeout, "
+            f"collective failed or did not complete within {self.timeout} (trainer.strategy.init_args.timeout, "
             "h:m:s): another rank is stuck, slower than that, or has stopped"
         )
         if self.launcher is not None:
             self.launcher.kill(signal.SIGKILL)
+
+
+def attached_trainer(module: L.LightningModule | None) -> L.Trainer | None:
+    """The Trainer ``module`` is attached to, or None (a module not yet, or no longer, in a run; Lightning's
+    ``trainer`` property raises there)."""
+    try:
+        return None if module is None else module.trainer
+    except RuntimeError:
+        return None
 
 
 def _share_cores(local_ranks: int) -> None:

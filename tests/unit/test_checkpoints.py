@@ -6,13 +6,11 @@ kill a rank while saving or resume from a damaged checkpoint are in tests/multip
 import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from checkpoint_files import checkpoint_step as _step
 from checkpoint_files import flip_bytes
 from checkpoint_files import write_checkpoint as _write
@@ -20,6 +18,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from sparsebalance_pl import checkpoints
 from sparsebalance_pl.errors import TrainingError
+from sparsebalance_pl.slurm import next_hpc_checkpoint
 from sparsebalance_pl.strategy import FSDP2Strategy
 
 
@@ -93,16 +92,16 @@ def test_a_missing_checkpoint_with_a_leftover_partial_is_reported(tmp_path):
 
 
 def test_slurm_resumes_from_the_newest_complete_hpc_checkpoint_after_a_save_cut_short(tmp_path):
-    """Lightning resumes a requeued job from the highest ``hpc_ckpt_<n>`` named in the folder, and numbers the
-    next save one above it: a cut-short save of ``hpc_ckpt_3`` must count for neither."""
-    complete = _write(tmp_path / "hpc_ckpt_2.ckpt", 2)
+    """Lightning resumes a requeued job from the highest ``hpc_ckpt_<n>`` named in the folder, and the next save
+    is numbered one above it: a cut-short save of ``hpc_ckpt_3`` must count for neither."""
+    assert next_hpc_checkpoint(tmp_path / "new") == str(tmp_path / "new" / "hpc_ckpt_1.ckpt")
+    _write(tmp_path / "hpc_ckpt_2.ckpt", 2)
+    (tmp_path / "hpc_ckpt_10.ckpt.bak").touch()  # not a checkpoint's name
     cut_short = tmp_path / "hpc_ckpt_3.ckpt"
     _write(checkpoints.staging_path(cut_short), 3).joinpath(".metadata").unlink()
-    connector = _CheckpointConnector(SimpleNamespace(default_root_dir=str(tmp_path)))
-    assert connector._hpc_resume_path == str(complete)
-    assert _CheckpointConnector.hpc_save_path(tmp_path) == str(cut_short)  # whose save deletes the leftover
+    assert next_hpc_checkpoint(tmp_path) == str(cut_short)  # whose save deletes the leftover
     FSDP2Strategy().save_checkpoint({"state_dict": {"w": torch.full((8,), 4.0)}, "global_step": 4}, cut_short)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hpc_ckpt_2.ckpt", "hpc_ckpt_3.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hpc_ckpt_10.ckpt.bak", "hpc_ckpt_2.ckpt", "hpc_ckpt_3.ckpt"]
 
 
 def test_install_replaces_the_previous_checkpoint_and_leaves_nothing_else(tmp_path):

@@ -50,8 +50,8 @@ PUBLIC_API = {
     ],
     "sparsebalance_pl.module": ["OptimConfig", "SparseCausalLM"],
     "sparsebalance_pl.progress": ["LoggedProgress", "RunProgressBar"],
-    "sparsebalance_pl.slurm": ["SlurmRequeue"],
-    "sparsebalance_pl.strategy": ["FSDP2Strategy", "apply_fully_shard"],
+    "sparsebalance_pl.slurm": ["SlurmRequeue", "next_hpc_checkpoint"],
+    "sparsebalance_pl.strategy": ["FSDP2Strategy", "apply_fully_shard", "attached_trainer"],
     "sparsebalance_pl.timing": ["AttentionTimer"],
 }
 
