@@ -11,6 +11,8 @@ import torch
 
 from sparsebalance_pl.distributed import global_sum, world_size
 
+__all__ = ["IGNORE_INDEX", "chunked_cross_entropy_sum", "globally_normalised_loss"]
+
 IGNORE_INDEX = -100
 
 

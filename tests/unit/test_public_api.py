@@ -44,6 +44,7 @@ PUBLIC_API = {
         "LatencyModel", "LatencyTable", "LatencyTableError", "OnlineCalibration", "TERMS", "TableMeta",
         "UnreachableTimeError", "kept_tiles",
     ],
+    "sparsebalance_pl.loss": ["IGNORE_INDEX", "chunked_cross_entropy_sum", "globally_normalised_loss"],
     "sparsebalance_pl.model": [
         "CONTEXT_OVERRIDES", "ModelConfig", "ModelDims", "PRESETS", "PackedCausalLM", "Preset", "answer_exact_match",
         "architecture_name", "build_model", "check_architecture", "check_model", "decoder_layers", "greedy_tokens",
