@@ -1,9 +1,8 @@
 """The flagship configurations run the whole method: sparsity-aware batching, DST and the plan monitor, from a
-latency table profiled on first use for this device, cached, reused, and profiled again when the device
-changes. Run on the CPU with 2 ranks and the demo's architecture in place of Qwen2.5."""
+latency table profiled on first use for this device, cached and reused. Run on the CPU with 2 ranks and the demo's
+architecture in place of Qwen2.5."""
 
 import csv
-import json
 
 import pytest
 from main_runner import REPO, run_main
@@ -26,7 +25,7 @@ def _fit(run_dir, config: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config, out", [("qwen05b.yaml", "outputs/qwen05b")])
-def test_profiles_once_caches_and_reprofiles_on_another_device(tmp_path, config, out):
+def test_profiles_once_and_caches_the_table(tmp_path, config, out):
     first = _fit(tmp_path, config)
     assert first.returncode == 0, first.stderr[-3000:]
     assert PROFILING in first.stderr
@@ -39,14 +38,7 @@ def test_profiles_once_caches_and_reprofiles_on_another_device(tmp_path, config,
     second = _fit(tmp_path, config)
     assert second.returncode == 0, second.stderr[-3000:]
     assert PROFILING not in second.stderr and table.stat().st_mtime_ns == written
-
-    state = json.loads(table.read_text())
-    state["table"]["meta"]["device"] = "NVIDIA H100 80GB HBM3"
-    table.write_text(json.dumps(state))
-    third = _fit(tmp_path, config)
-    assert third.returncode == 0, third.stderr[-3000:]
-    assert PROFILING in third.stderr
-    assert json.loads(table.read_text())["table"]["meta"]["device"] != "NVIDIA H100 80GB HBM3"
+    # a table from another device is profiled again: tests/unit/cost/test_profiler.py
 
 
 def test_every_flagship_attaches_the_whole_method():

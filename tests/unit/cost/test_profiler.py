@@ -144,6 +144,20 @@ def test_training_dtype_follows_the_precision_off_the_cpu(precision, device, dty
     assert training_dtype(precision, device) == dtype
 
 
+def test_run_start_profiles_again_on_another_device(tiny_profile, monkeypatch, caplog):
+    path, _ = tiny_profile
+    profiled = []
+    monkeypatch.setattr(
+        "sparsebalance_pl.cost.profiler.profile_hardware",
+        lambda config, kernels, **kw: profiled.append(kw["output"]) or LatencyModel.analytic(TINY, **BLOCKS),
+    )
+    monkeypatch.setattr("sparsebalance_pl.cost.profiler.device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    with caplog.at_level(logging.WARNING):
+        latency_model_for_run(path, TINY_CONFIG, KERNELS, max_length=256)
+    assert profiled == [path]
+    assert "this run is on 'NVIDIA H100 80GB HBM3' in float32: profiling" in caplog.text
+
+
 @pytest.mark.parametrize("device, dtype, throughput", [
     ("cpu", torch.float32, 5e10), ("cuda", torch.bfloat16, 2e14), ("cuda", torch.float32, 4e13),
 ])
