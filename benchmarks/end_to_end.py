@@ -39,7 +39,7 @@ with the settings that set each variant up again (``benchmarks/simulate.py check
     python benchmarks/end_to_end.py --ranks 8 --config configs/demo.yaml \
         --config configs/experiments/narrow16k.yaml --epoch-documents 400 --out outputs/e2e_emulated_8
     python benchmarks/end_to_end.py --ranks 2 --epoch-documents 40 --max-tokens 1024 --warmup 1 \
-        --variants static sparsebalance --out outputs/e2e_quick            # a smoke run, under a minute
+        --variants static sparsebalance --out outputs/e2e_quick            # a smoke run
 
 A tuning variant may carry DST settings of its own, so that several settings compare in one run on the same
 machine state: ``--variants static sparsebalance sparsebalance:anchor=adaptive``.

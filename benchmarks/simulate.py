@@ -2,7 +2,7 @@
 
 The real planner and DST controller plan one epoch for N ranks and pick every rank's budget at every step, and
 each rank's time is the cost model's prediction, strayed by a log-normal factor (``sparsebalance_pl.simulation``
-says how and what it cannot show). No model runs, so 64 ranks at 128K tokens take seconds.
+says how and what it cannot show). No model runs, so it reaches 64 ranks at 128K tokens.
 
 Cluster runs (``cluster``): lengths drawn from the WLB-LLM and ProLong distributions (built in), scaled so that
 their 99th percentile lands on ``--max-tokens``; Qwen2.5-0.5B dimensions; latency from a table (``--latency``,

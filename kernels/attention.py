@@ -51,7 +51,7 @@ class _BlockSparseAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.impl.backward(q, k, v, out, lse, grad_out.contiguous(), ctx.layout, ctx.scale)
+        dq, dk, dv = ctx.impl.backward(q, k, v, out, lse, grad_out, ctx.layout, ctx.scale)
         return dq, dk, dv, None, None, None
 
 
@@ -111,7 +111,7 @@ def _(q, k, v, block_mask, cu_seqlens, block_size, scale, backend):
 )
 def _compiled_attention_backward(q, k, v, out, lse, grad_out, block_mask, cu_seqlens, block_size, scale, backend):
     layout = TileLayout.build(block_mask, cu_seqlens, q.shape[0], k.shape[1], block_size)
-    return _implementation(backend).backward(q, k, v, out, lse, grad_out.contiguous(), layout, scale)
+    return _implementation(backend).backward(q, k, v, out, lse, grad_out, layout, scale)
 
 
 @_compiled_attention_backward.register_fake

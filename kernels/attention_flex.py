@@ -23,8 +23,9 @@ from .layout import TileLayout, tile_lists
 def block_mask(layout: TileLayout) -> BlockMask:
     """The layout as a ``BlockMask`` over its stream (batch of one), kept in the layout's scratch."""
     if "flex" not in layout.scratch:
-        lists = [tile_lists(tiles, transposed) for transposed in (False, True)
-                 for tiles in (layout.kept & layout.partial(), layout.kept & ~layout.partial())]
+        partial = layout.partial()
+        kinds = (layout.kept & partial, layout.kept & ~partial)
+        lists = [tile_lists(tiles, transposed) for transposed in (False, True) for tiles in kinds]
         pad = layout.num_blocks * layout.block_size - layout.num_tokens
         doc = F.pad(layout.doc, (0, pad), value=-1)  # padding tokens share no document with real ones
         kept, block = layout.kept, layout.block_size

@@ -145,6 +145,12 @@ def striped_blocks(num_blocks: int, world_size: int, rank: int, device=None) -> 
     return torch.arange(rank, num_blocks, world_size, device=device)
 
 
+def check_window(sink_blocks: int, local_blocks: int) -> None:
+    """The always-kept window's sizes: at least the diagonal, and no negative count of sink blocks."""
+    if local_blocks < 1 or sink_blocks < 0:
+        raise ValueError(f"local_blocks must be >= 1 and sink_blocks >= 0, got {local_blocks} and {sink_blocks}")
+
+
 def forced_tiles(
     doc: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, sink_blocks: int = 1, local_blocks: int = 1
 ) -> torch.Tensor:
@@ -155,8 +161,7 @@ def forced_tiles(
     Any document other than the first one of a query block starts inside that block, so its first block is
     the diagonal; only the first document's first blocks need adding.
     """
-    if local_blocks < 1 or sink_blocks < 0:
-        raise ValueError(f"local_blocks must be >= 1 and sink_blocks >= 0, got {local_blocks} and {sink_blocks}")
+    check_window(sink_blocks, local_blocks)
     first, _ = group_doc_range(doc, block_size)
     blocks = torch.arange(first.numel(), device=doc.device)
     behind = blocks[:, None] - blocks[None, :]
@@ -232,7 +237,8 @@ class TileLayout:
         """The layout of ``block_sparse_attention`` over a whole stream of ``num_tokens`` tokens."""
         with single_threaded_on_cpu(block_mask.device):
             doc = token_doc_ids(cu_seqlens, num_tokens)
-            return TileLayout._from_tiles(block_mask, doc, doc, None, None, num_kv_heads, block_size)
+            kept = block_mask & candidate_tiles(doc, block_size)
+            return TileLayout._from_tiles(kept, doc, num_kv_heads, block_size)
 
     @staticmethod
     @single_threaded()
@@ -267,9 +273,7 @@ class TileLayout:
         blocked = doc.view(nb, block_size)
         q_doc, k_doc = blocked[q_blocks].flatten(), blocked[k_blocks].flatten()
         stream_doc = q_doc if source == rank else torch.cat([k_doc, q_doc])
-        return TileLayout._from_tiles(
-            kept.expand(num_q_heads, -1, -1), stream_doc, doc, q_blocks, k_blocks, num_kv_heads, block_size
-        )
+        return TileLayout._from_tiles(kept.expand(num_q_heads, -1, -1), stream_doc, num_kv_heads, block_size)
 
     @staticmethod
     @single_threaded()
@@ -293,37 +297,18 @@ class TileLayout:
         kept = kept & (k_blocks[None, None, :] < q_blocks[None, :, None])
         blocked = doc.view(nb, block_size)
         stream_doc = torch.cat([blocked[k_blocks].flatten(), blocked[q_blocks].flatten()])
-        return TileLayout._from_tiles(
-            kept.expand(num_q_heads, -1, -1), stream_doc, doc, q_blocks, k_blocks, num_kv_heads, block_size
-        )
+        return TileLayout._from_tiles(kept.expand(num_q_heads, -1, -1), stream_doc, num_kv_heads, block_size)
 
     @staticmethod
-    def _from_tiles(
-        kept: torch.Tensor,
-        stream_doc: torch.Tensor,
-        doc: torch.Tensor,
-        q_blocks: torch.Tensor | None,
-        k_blocks: torch.Tensor | None,
-        num_kv_heads: int,
-        block_size: int,
-    ) -> "TileLayout":
-        """The layout of ``kept`` [Hq, nQ, nK]: query blocks ``q_blocks`` against key blocks ``k_blocks`` (None:
-        every block of the stream) of the stream whose documents are ``doc``, laid out in a stream with
-        documents ``stream_doc`` whose last nQ blocks are the query blocks and whose first nK blocks are the key
-        blocks (the same blocks when the stream is the whole one). Tiles outside the causal document ranges are
-        dropped here."""
+    def _from_tiles(kept: torch.Tensor, stream_doc: torch.Tensor, num_kv_heads: int, block_size: int) -> "TileLayout":
+        """The layout of ``kept`` [Hq, nQ, nK] (causal tiles within documents only) in a stream with documents
+        ``stream_doc`` whose last nQ blocks are the query blocks and whose first nK blocks are the key blocks (the
+        same blocks when the stream is the whole one)."""
         num_q_heads, n_q, n_k = kept.shape
         nb = num_blocks(stream_doc.numel(), block_size)
-        first, last = group_doc_range(doc, block_size)
-        if q_blocks is None:
-            q_blocks = k_blocks = torch.arange(nb, device=doc.device)
-            first_q, last_k = first, last
-        else:
-            first_q, last_k = first[q_blocks], last[k_blocks]
-        tiles = kept & (k_blocks[None, :] <= q_blocks[:, None]) & (first_q[:, None] <= last_k[None, :])
         if n_q != nb or n_k != nb:  # a ring step: queries are the stream's last blocks, keys its first
-            tiles = F.pad(tiles, (0, nb - n_k, nb - n_q, 0))
-        return TileLayout(stream_doc.numel(), block_size, nb, num_q_heads, num_kv_heads, stream_doc, tiles)
+            kept = F.pad(kept, (0, nb - n_k, nb - n_q, 0))
+        return TileLayout(stream_doc.numel(), block_size, nb, num_q_heads, num_kv_heads, stream_doc, kept)
 
     @property
     def group_size(self) -> int:

@@ -226,7 +226,7 @@ def _forward(ring: _Ring, impl, q, k, v, scale):
 def _attend_step(impl, layout, q, kv, scale, out, lse):
     """One step's attention of this rank's queries to ``kv``, merged into ``out`` and ``lse`` in place; returns
     the step's lse [Hq, T/W] (None when the step keeps no tile)."""
-    if not layout.rows().tile_col.numel():
+    if not bool(layout.kept.any()):
         return None
     out_step, lse_step = impl.forward(_as_queries(q, layout), _as_keys(kv[0], layout), _as_keys(kv[1], layout),
                                       layout, scale)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .launches import launch
-from .layout import num_blocks
+from .layout import check_window, num_blocks
 
 _LOG2E = 1.4426950408889634
 
@@ -205,8 +205,7 @@ def rank_block_mass(mass: torch.Tensor, doc: torch.Tensor, cu_seqlens: torch.Ten
     num_q_heads, _, nb = mass.shape
     if q_blocks is not None or nb > _MAX_RANKED_BLOCKS:
         return rank_torch(mass, doc, cu_seqlens, block_size, sink_blocks, local_blocks, q_blocks)
-    if local_blocks < 1 or sink_blocks < 0:
-        raise ValueError(f"local_blocks must be >= 1 and sink_blocks >= 0, got {local_blocks} and {sink_blocks}")
+    check_window(sink_blocks, local_blocks)
     device = mass.device
     order = torch.empty(mass.shape, dtype=torch.int64, device=device)
     sorted_mass, cumulative = torch.empty_like(mass), torch.empty_like(mass)

@@ -115,6 +115,8 @@ def emulate_variants(base: dict, settings: ComparisonSettings, round_index: int)
     runs: dict[str, _Run] = {}
     for spec in settings.variants:
         module, data, trainer, controller, plan = prepare_variant(base, spec, settings, round_index)
+        if len(plan) <= settings.warmup:  # known before any step runs, which may be hours before the summary
+            raise ConfigError(f"variant {spec} plans {len(plan)} steps: none is left after --warmup {settings.warmup}")
         ranks = EmulatedRanks(module, settings.ranks, len(plan), controller=controller,
                               gradient_clip=trainer.gradient_clip_val,
                               gradient_clip_algorithm=trainer.gradient_clip_algorithm or "norm",
@@ -147,8 +149,6 @@ def summarise(spec: str, module, done: list[EmulatedStep], settings: ComparisonS
     """One variant's emulated epoch summed up, with its measured validation loss and the other work on the
     machine's CPUs while the variants were timed: the figures the benchmark's table compares, the curves it
     plots (``curves``) and every step's per-rank times (``steps_detail``), which the simulation's check reads."""
-    if len(done) <= settings.warmup:
-        raise ConfigError(f"variant {spec} ran {len(done)} steps: none is left after --warmup {settings.warmup}")
     records = [record for step in done for observation in step.observations for record in observation.records]
     recalls = [(sum(r.lengths), r.report.recall) for r in records if r.report.recall is not None]
     rank_s = [step.rank_seconds for step in done]

@@ -27,16 +27,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 __all__ = ["SlurmRequeue", "next_hpc_checkpoint"]
 
-_HPC_CHECKPOINT = re.compile(r"hpc_ckpt_(\d+)\.ckpt")
-
 
 def next_hpc_checkpoint(root_dir: str | os.PathLike) -> str:
     """``hpc_ckpt_<n>.ckpt`` in ``root_dir``, one past the highest there: the name under which Lightning's resume
-    under SLURM, which loads the highest, finds the newest save."""
-    numbers = [int(match.group(1)) for path in Path(root_dir).glob("hpc_ckpt_*.ckpt")
-               if (match := _HPC_CHECKPOINT.fullmatch(path.name))]
+    under SLURM, which loads the highest, finds the newest save. Names are read as that resume reads them: every
+    name holding ``hpc_ckpt_``, numbered by the digits after it."""
+    numbers = [int(digits) for path in Path(root_dir).glob("*hpc_ckpt_*")
+               if (digits := re.sub(r"\D", "", path.name.split("hpc_ckpt_")[-1]))]
     return str(Path(root_dir) / f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt")
-
 
 
 class SlurmRequeue(Callback):

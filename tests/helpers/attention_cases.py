@@ -1,10 +1,16 @@
 """Random packed streams with block masks, and the check of a backend against the dense fp64 reference, shared
 by the attention backends' tests."""
 
+import os
+
 import torch
 
 from sparsebalance_pl.kernels import block_sparse_attention, reference_block_sparse_attention
 from sparsebalance_pl.kernels.layout import forced_tiles, token_doc_ids
+
+
+#: Whether Triton kernels can run: on a GPU, or on the CPU under Triton's interpreter.
+TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def device_for(backend):

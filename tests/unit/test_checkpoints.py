@@ -96,12 +96,11 @@ def test_slurm_resumes_from_the_newest_complete_hpc_checkpoint_after_a_save_cut_
     is numbered one above it: a cut-short save of ``hpc_ckpt_3`` must count for neither."""
     assert next_hpc_checkpoint(tmp_path / "new") == str(tmp_path / "new" / "hpc_ckpt_1.ckpt")
     _write(tmp_path / "hpc_ckpt_2.ckpt", 2)
-    (tmp_path / "hpc_ckpt_10.ckpt.bak").touch()  # not a checkpoint's name
     cut_short = tmp_path / "hpc_ckpt_3.ckpt"
     _write(checkpoints.staging_path(cut_short), 3).joinpath(".metadata").unlink()
     assert next_hpc_checkpoint(tmp_path) == str(cut_short)  # whose save deletes the leftover
     FSDP2Strategy().save_checkpoint({"state_dict": {"w": torch.full((8,), 4.0)}, "global_step": 4}, cut_short)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hpc_ckpt_10.ckpt.bak", "hpc_ckpt_2.ckpt", "hpc_ckpt_3.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hpc_ckpt_2.ckpt", "hpc_ckpt_3.ckpt"]
 
 
 def test_install_replaces_the_previous_checkpoint_and_leaves_nothing_else(tmp_path):

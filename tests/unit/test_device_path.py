@@ -3,11 +3,10 @@ tensors standing in for a device's): from the first decoder layer's forward to t
 one's backward to the first one's, nothing is read back from the device. The one read a step needs, for logging
 after the backward, lies outside."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
+from attention_cases import TRITON_OK
 
 from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.datamodules.packing import collate_packed
@@ -19,8 +18,7 @@ from sparsebalance_pl.module import SparseCausalLM
 TINY = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                    reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("moved", [False, True], ids=["base budgets", "budgets moved by DST"])
 def test_no_host_read_inside_the_layers_forward_or_backward(moved):
     torch.manual_seed(0)

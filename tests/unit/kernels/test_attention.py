@@ -3,21 +3,19 @@
 Triton runs compiled on CUDA tensors where a GPU exists and under the interpreter on CPU otherwise.
 """
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_cases import check_against_reference, device_for, packed_case, relative_error
+from attention_cases import TRITON_OK, check_against_reference, device_for, packed_case, relative_error
 from main_runner import REPO
 
 from sparsebalance_pl.kernels import block_sparse_attention, reference_block_sparse_attention
 from sparsebalance_pl.kernels.attention import _implementation
 from sparsebalance_pl.kernels.layout import TileLayout, pair_mask, token_doc_ids
 
-TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = [
     "torch",
     pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")),

@@ -2,15 +2,13 @@
 and attention, forward and backward, on the Triton path (the interpreter's on the CPU) reads nothing back from
 the device, and launches at most 40 kernels, as many whatever the number of documents and the stream's length."""
 
-import os
-
 import pytest
 import torch
+from attention_cases import TRITON_OK
 
 from sparsebalance_pl.kernels import LayerBudget, block_sparse_attention, select_with_budget
 from sparsebalance_pl.kernels.launches import count_launches
 
-TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def test_the_counter_sees_launches_and_every_kind_of_host_read():

@@ -2,10 +2,9 @@
 layouts, and sparse_ring_attention as a ring of one (no process group). The multi-rank ring is
 tests/multiprocess/test_ring_attention.py."""
 
-import os
-
 import pytest
 import torch
+from attention_cases import TRITON_OK
 
 from sparsebalance_pl.kernels import (
     block_sparse_attention,
@@ -15,7 +14,6 @@ from sparsebalance_pl.kernels import (
 )
 from sparsebalance_pl.kernels.layout import TileLayout, forced_tiles, token_doc_ids
 
-TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = [
     "torch",
     pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")),
