@@ -3,11 +3,11 @@
 Work is proportional to the kept tiles. Rows (query head, query block) are sorted by their number of kept
 key blocks and cut into chunks; in a chunk every row gathers its kept K/V blocks side by side (padded to
 the chunk's longest row with a dummy block that masks itself out), so each row is one [B, D] x [D, n*B]
-matmul and one ordinary softmax, with no scatter across tiles and no T x T matrix. Only tiles that need it
-(diagonal, document boundaries, padding) get a token-level mask. The backward recomputes probabilities
-with a softmax of the recomputed scores over the same kept keys (equal to exp(s - lse), and faster), in
-key-major layout so that the dK/dV partials come out tile by tile from untransposed matmuls. K is scaled
-once instead of q (a GQA group's q is several times larger), which also makes dS @ K the finished dQ.
+matmul and one row-wise exponential, with no scatter across tiles and no T x T matrix. Only tiles that need
+it (diagonal, document boundaries, padding) get a token-level mask. The backward recomputes probabilities
+as exp(s - lse) from the forward's lse, in key-major layout so that the dK/dV partials come out tile by
+tile from untransposed matmuls. K is scaled once instead of q (a GQA group's q is several times larger),
+which also makes dS @ K the finished dQ.
 
 q and dO are cut into blocks once per call; each chunk gathers its rows of them and writes its rows of
 the output and dQ straight into token layout (so this work too is shared by the workers), and each worker
@@ -64,7 +64,6 @@ class _Chunk:
     mask_row: torch.Tensor  # [M] local row of each tile needing a token mask
     mask_slot: torch.Tensor  # [M] its slot
     blocked: torch.Tensor  # [M, B, B] True where the pair is not allowed
-    empty: tuple[torch.Tensor, torch.Tensor] | None  # (local row, query offset) of tokens with no allowed key
 
 
 @dataclass
@@ -123,24 +122,17 @@ def _build_plan(layout: TileLayout) -> _Plan:
     qpos = (tiles // (nb + 1))[:, None] * block + offs
     kpos = (tiles % (nb + 1))[:, None] * block + offs
     allowed = (doc_q[qpos][:, :, None] == doc_k[kpos][:, None, :]) & (kpos[:, None, :] <= qpos[:, :, None])
-    # Softmax turns a row of -inf into NaN: remember the tokens that have no allowed key at all.
-    reachable = torch.zeros(active, dtype=torch.long, device=device).index_add_(0, elem_row, full.long()) * block
-    reachable = reachable[:, None].expand(-1, block).index_add(0, elem_row[masked], allowed.sum(dim=-1)[which])
-    empty_row, empty_offset = torch.nonzero(reachable == 0, as_tuple=True)
-    # Slice per chunk: masked elements and empty tokens come sorted by element and by row.
+    # Slice per chunk: masked elements come sorted by element.
     elem_cut = torch.cat([row_end.new_zeros(1), row_end[stops - 1]])
     mask_cut = torch.searchsorted(masked, elem_cut).tolist()
-    empty_cut = torch.searchsorted(empty_row, torch.cat([starts[:1], stops])).tolist()
     elem_cut = elem_cut.tolist()
     mask_row, mask_slot, blocked = row_local[elem_row[masked]], slot[masked], (~allowed)[which]
-    empty_local = row_local[empty_row]
     head, qb = order // nb, order % nb
     chunks = []
     for i, (a, b, width) in enumerate(bounds):
-        m, z = slice(mask_cut[i], mask_cut[i + 1]), slice(empty_cut[i], empty_cut[i + 1])
-        empty = (empty_local[z], empty_offset[z]) if z.stop > z.start else None
+        m = slice(mask_cut[i], mask_cut[i + 1])
         slots = kv_slots[elem_cut[i] : elem_cut[i + 1]].view(b - a, width)
-        chunks.append(_Chunk(order[a:b], head[a:b], qb[a:b], slots, mask_row[m], mask_slot[m], blocked[m], empty))
+        chunks.append(_Chunk(order[a:b], head[a:b], qb[a:b], slots, mask_row[m], mask_slot[m], blocked[m]))
     return _Plan(active, chunks)
 
 
@@ -179,15 +171,6 @@ def _scores(
         picked = tiles[chunk.mask_row, :, chunk.mask_slot, :]
         tiles[chunk.mask_row, :, chunk.mask_slot, :] = picked.masked_fill_(chunk.blocked, float("-inf"))
     return s
-
-
-def _softmax(s: torch.Tensor, chunk: _Chunk, key_major: bool) -> torch.Tensor:
-    """Softmax over each query's keys, in place (the kernel reads every element before overwriting it),
-    tokens with no allowed key at 0. torch's softmax is much faster than exp_, hence also in the backward."""
-    p = torch.ops.aten._softmax.out(s, 1 if key_major else -1, False, out=s)
-    if chunk.empty is not None:
-        (p.mT if key_major else p)[chunk.empty] = 0.0
-    return p
 
 
 def _gather(blocks: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -273,16 +256,16 @@ def _forward(q, k, v, layout: TileLayout, scale: float, threads: int) -> tuple[t
         q_rows = torch.index_select(q_blocks, 0, chunk.rows, out=ws.get("q", (rows, block, head_dim), q_blocks))
         k_cols = _gather(k_blocks, chunk.kv_slots, ws.get("k", cols, q_blocks))
         s = _scores(chunk, q_rows, k_cols, ws.get("s", (rows, block, width * block), q_blocks), key_major=False)
-        # One fused softmax pass plus two max passes: the largest probability is 1 / sum(exp(s - max)), so
-        # lse = max - log(max p) without a separate (and slower) exp or logsumexp.
-        row_max = s.amax(dim=-1)
-        p = _softmax(s, chunk, key_major=False)
-        lse_rows = row_max.sub_(p.amax(dim=-1).log_())
-        if chunk.empty is not None:
-            lse_rows[chunk.empty] = float("-inf")
-        lse.index_copy_(0, chunk.rows, lse_rows)
+        # exp(s - max) unnormalised, the output divided by its row sums afterwards: four light passes over the
+        # scores where softmax plus the max and lse passes took more. A token with no allowed key has max
+        # -inf, clamped so that its row is exp(-inf) = 0, its sum 0, its lse -inf and its output 0.
+        row_max = s.amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(s.dtype).min)
+        p = s.sub_(row_max).exp_()
+        row_sum = p.sum(dim=-1, keepdim=True)
+        lse.index_copy_(0, chunk.rows, row_sum.log().add_(row_max).squeeze(-1))
         v_cols = _gather(v_blocks, chunk.kv_slots, k_cols)
-        _put_rows(out, chunk, torch.bmm(p, v_cols, out=ws.get("o", (rows, block, head_dim), q_blocks)))
+        o_rows = torch.bmm(p, v_cols, out=ws.get("o", (rows, block, head_dim), q_blocks))
+        _put_rows(out, chunk, o_rows.div_(row_sum.clamp_min_(torch.finfo(s.dtype).tiny)))
 
     _run_chunks(plan.chunks, work, threads)
     return _tokens(out, layout), lse
@@ -298,23 +281,31 @@ def backward(
     layout: TileLayout,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of q, k, v from the saved output, visiting the kept tiles only (``lse`` is part of the
-    backend interface; here probabilities come from a softmax of the recomputed scores instead).
+    """Gradients of q, k, v from the saved output and lse, visiting the kept tiles only.
 
     Scores are key-major here, [R, n * B, B]: the dK and dV partials then come tile by tile from plain
-    matmuls (P^T dO and dS^T Q with a transposed [n * B, B] operand run at half MKL's speed), which outweighs
-    the slightly slower softmax over a strided dimension; the forward keeps query-major scores, where it is
-    the other way round."""
+    matmuls (P^T dO and dS^T Q with a transposed [n * B, B] operand run at half MKL's speed); the forward keeps
+    query-major scores, whose row reductions are the faster ones."""
     with single_threaded() as threads:
-        return _backward(q, k, v, out, grad_out, layout, scale, threads)
+        return _backward(q, k, v, out, lse, grad_out, layout, scale, threads)
 
 
-def _backward(q, k, v, out, grad_out, layout: TileLayout, scale: float, threads: int):
+def _blocked_lse(lse: torch.Tensor, layout: TileLayout, dtype: torch.dtype) -> torch.Tensor:
+    """Any backend's lse (``lse.reshape(Hq, -1)[:, :T]`` is [Hq, T]) as [Hq * nB, B] in ``dtype``, with +inf
+    wherever it is -inf (no allowed key) and in the padded tail: exp(s - lse) is then 0 there, never NaN."""
+    lse = lse.reshape(layout.num_q_heads, -1)[:, : layout.num_tokens].to(dtype)
+    lse = torch.where(lse.isneginf(), float("inf"), lse)
+    padding = layout.num_blocks * layout.block_size - layout.num_tokens
+    return torch.nn.functional.pad(lse, (0, padding), value=float("inf")).reshape(-1, layout.block_size)
+
+
+def _backward(q, k, v, out, lse, grad_out, layout: TileLayout, scale: float, threads: int):
     dtype, block, head_dim = _compute_dtype(q.dtype), layout.block_size, q.shape[-1]
     plan = _plan(layout)
     q_blocks, do_blocks = _to_blocks(q, layout, dtype), _to_blocks(grad_out, layout, dtype)
     delta = _to_blocks((out.to(dtype) * grad_out.to(dtype)).sum(dim=-1, keepdim=True), layout, dtype).mT
     k_blocks, v_blocks = _kv_blocks(k, v, layout, dtype, scale)
+    lse = _blocked_lse(lse, layout, dtype)
     dq = _token_output(layout, plan, q)
 
     def work(chunk: _Chunk, state: dict) -> None:
@@ -328,7 +319,8 @@ def _backward(q, k, v, out, grad_out, layout: TileLayout, scale: float, threads:
         dor = torch.index_select(do_blocks, 0, chunk.rows, out=ws.get("do", own, q_blocks))
         k_cols = _gather(k_blocks, chunk.kv_slots, ws.get("k", cols, q_blocks))
         v_cols = _gather(v_blocks, chunk.kv_slots, ws.get("v", cols, q_blocks))
-        p = _softmax(_scores(chunk, qr, k_cols, ws.get("s", scores, q_blocks), key_major=True), chunk, key_major=True)
+        s = _scores(chunk, qr, k_cols, ws.get("s", scores, q_blocks), key_major=True)
+        p = s.sub_(lse.index_select(0, chunk.rows)[:, None, :]).exp_()
         slots = chunk.kv_slots.flatten()
         part = ws.get("part", cols, q_blocks)
         state["dv"].index_add_(0, slots, torch.bmm(p, dor, out=part).view(-1, block, head_dim))
