@@ -12,6 +12,7 @@ repetition by repetition, and medians are quoted with their ratio to dense: on a
 in-run ratios mean anything. On CUDA the dense baselines are SDPA as PyTorch dispatches it, SDPA forced to
 cuDNN (on K/V repeated to the query heads, outside the timing) and FlexAttention with every causal block.
 
+``--profile`` adds ``torch.profiler``'s table of one call of the first sparse variant, busiest ops first.
 ``--count`` adds what one layer asks of the device, selection plus attention forward and backward, per sparse
 backend: kernels launched and host synchronisations. On CUDA the profiler counts the kernels and
 ``torch.cuda.set_sync_debug_mode("error")`` catches any synchronisation; on the CPU ``kernels.launches`` counts
@@ -65,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="sparse backends to time (default: torch on the CPU, triton and flex on CUDA)",
     )
     parser.add_argument("--count", action="store_true", help="also count launches and host syncs per layer")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="also print where one forward and backward of the first sparse variant spends its time (torch.profiler)",
+    )
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2048 tokens, 4/2 heads: a smoke run")
@@ -192,6 +197,13 @@ def main(argv=None) -> None:
                 figures["launches"][f"{backend} {name}"] = {"kernels": launched, "host_syncs": syncs}
                 print(f"launches per layer ({backend}, {name} budget: selection, attention forward and backward): "
                       f"{launched}, host syncs: {syncs}")
+    if args.profile:
+        first = next(name for name in variants if isinstance(name, tuple))
+        with torch.profiler.profile() as prof:
+            variants[first]()
+        print(f"where one call of {' '.join(map(str, first))} spends its time:")
+        print(prof.key_averages().table(sort_by="self_device_time_total" if device.type == "cuda"
+                                        else "self_cpu_time_total", row_limit=12))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))
 
