@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from sparsebalance_pl.attention import AttentionConfig, SparseAttention
 from sparsebalance_pl.callbacks import BatchPlanMonitor, DynamicSparsityTuning
 from sparsebalance_pl.datamodules import BatchingConfig, PaddingItem, SparsityAwareSampler
+from sparsebalance_pl.loss import globally_normalised_loss
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, VOCAB = 128, 4, 2, 32, 256, 2, 256
 MAX_TOKENS = 4096
@@ -64,11 +65,18 @@ class TinyGPT(L.LightningModule):
         self.sparse_attention = SparseAttention(DIMS, ATTENTION, latency)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss, reported = self.loss(batch)
+        self.log("train/loss", reported, prog_bar=True)
+        return loss
+
+    def loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss to back-propagate, loss to report): SAB gives ranks unequal token counts, so each rank's summed
+        loss is divided by the global count and every token weighs the same."""
         x = self.embed(batch["tokens"])
         for block in self.blocks:
             x = block(x, batch["cu_seqlens"], self.sparse_attention)
-        losses = F.cross_entropy(self.head(x), batch["targets"], ignore_index=-100, reduction="sum")
-        return losses / max(int((batch["targets"] != -100).sum()), 1)
+        loss_sum = F.cross_entropy(self.head(x), batch["targets"], ignore_index=-100, reduction="sum")
+        return globally_normalised_loss(loss_sum, (batch["targets"] != -100).sum())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -112,7 +120,7 @@ def profile(table: Path) -> None:
     module, rng = TinyGPT(), np.random.default_rng(0)
 
     def step(lengths: list[int]) -> None:
-        module.training_step(pack([rng.integers(0, VOCAB, n) for n in lengths]), 0).backward()
+        module.loss(pack([rng.integers(0, VOCAB, n) for n in lengths]))[0].backward()
         module.zero_grad(set_to_none=True)
 
     module.sparse_attention.profile(step, max_length=MAX_TOKENS, output=table)

@@ -12,7 +12,8 @@ import pytest
 from main_runner import REPO
 
 EXAMPLE = REPO / "examples" / "tiny_gpt.py"
-PUBLIC = ("sparsebalance_pl.attention", "sparsebalance_pl.callbacks", "sparsebalance_pl.datamodules")
+PUBLIC = ("sparsebalance_pl.attention", "sparsebalance_pl.callbacks", "sparsebalance_pl.datamodules",
+          "sparsebalance_pl.loss")
 #: Lines of the example that name the library, by ``library_lines``, before ``SparseAttention`` carried the
 #: integration (budgets, timer, selections, the report and the cost model were the example's own then).
 LIBRARY_LINES_BEFORE = 35
