@@ -54,11 +54,11 @@ class SlurmCluster:
         self._start("munged", "-F", "--force", f"--key-file={key}", f"--socket={socket_path}",
                     f"--pid-file={self.folder / 'munged.pid'}", f"--seed-file={self.folder / 'munged.seed'}",
                     f"--log-file={self.folder / 'munged.log'}")
-        _wait_for(socket_path.exists, timeout, "munged did not create its socket", self._logs)
+        wait_for(socket_path.exists, timeout, "munged did not create its socket", self._logs)
         self.conf.write_text(self._configuration(socket_path))
         self._start("slurmctld", "-D", "-f", str(self.conf))
         self._start("slurmd", "-D", "-f", str(self.conf))
-        _wait_for(lambda: self._node_state() == "idle", timeout, "the node did not become idle", self._logs)
+        wait_for(lambda: self._node_state() == "idle", timeout, "the node did not become idle", self._logs)
 
     def sbatch(self, *args: str, cwd: Path, env: dict[str, str]) -> str:
         """Submit a batch job; returns its id."""
@@ -80,7 +80,7 @@ class SlurmCluster:
     def stop(self) -> None:
         if self._jobs:
             subprocess.run(["scancel", *self._jobs], env=self.env, capture_output=True, timeout=30)
-            _wait_for(lambda: all(self.job(j).get("JobState") not in _ALIVE for j in self._jobs), 60,
+            wait_for(lambda: all(self.job(j).get("JobState") not in _ALIVE for j in self._jobs), 60,
                       "cancelled jobs still alive", self._logs, fail=False)
         for daemon in reversed(self._daemons):
             daemon.send_signal(signal.SIGTERM)
@@ -151,7 +151,9 @@ class SlurmCluster:
 _ALIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED")
 
 
-def _wait_for(condition, timeout: float, what: str, details, fail: bool = True) -> bool:
+def wait_for(condition, timeout: float, what: str, details, fail: bool = True) -> bool:
+    """Polls ``condition`` every half second; past ``timeout``, raises with ``what`` and ``details()`` (or
+    returns False when not ``fail``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():

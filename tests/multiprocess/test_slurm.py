@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from main_runner import HELPERS, REPO, build_demo_data
-from slurm_cluster import SlurmCluster, missing_programs
+from slurm_cluster import SlurmCluster, missing_programs, wait_for
 
 from sparsebalance_pl import checkpoints
 from sparsebalance_pl.slurm import _requeue
@@ -77,13 +77,10 @@ def _submit(slurm: SlurmCluster, run_dir: Path, data: Path, hold: Path) -> str:
     )
 
 
-def _wait(condition, timeout: float, what: str, slurm: SlurmCluster, job: str, run_dir: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            outputs = "\n".join(p.read_text()[-3000:] for p in run_dir.glob("slurm-*.out"))
-            pytest.fail(f"{what} within {timeout} s; job {job}: {slurm.job(job)}\n{outputs}")
-        time.sleep(0.5)
+def _job_details(slurm: SlurmCluster, job: str, run_dir: Path):
+    """What a timed-out wait reports: the job's record and the tail of its output."""
+    return lambda: f"job {job}: {slurm.job(job)}\n" + "\n".join(
+        p.read_text()[-3000:] for p in run_dir.glob("slurm-*.out"))
 
 
 def _logged(run_dir: Path, version: int, key: str) -> dict[int, float]:
@@ -113,19 +110,18 @@ def test_sigusr1_before_the_time_limit_saves_requeues_and_the_job_resumes_exactl
     # Once the job trains, its time limit comes down to a minute or two: SLURM sends SIGUSR1 the script's 120 s
     # before the limit, which lies in the past, at its next check of time limits (every 30 s).
     step = requeued_dir / "step"
-    _wait(lambda: step.exists() and int(step.read_text() or 0) >= 2, 300, "the job did not train", slurm, job,
-          requeued_dir)
+    details = _job_details(slurm, job, requeued_dir)
+    wait_for(lambda: step.exists() and int(step.read_text() or 0) >= 2, 300, "the job did not train", details)
     submitted = slurm.job(job)
     slurm.scontrol("update", f"JobId={job}", f"TimeLimit={math.ceil(_seconds(submitted['RunTime']) / 60) + 1}")
-    _wait(lambda: slurm.job(job).get("Restarts") == "1" and slurm.job(job)["JobState"] == "PENDING", 120,
-          "the job was not requeued", slurm, job, requeued_dir)
+    wait_for(lambda: slurm.job(job).get("Restarts") == "1" and slurm.job(job)["JobState"] == "PENDING", 120,
+             "the job was not requeued", details)
     hold.unlink()
     # Run again at once (a requeued job waits a minute or two otherwise) with the time limit it was submitted with;
     # not within the second it was killed in, whose credentials slurmd refuses ("Job N already killed").
     time.sleep(2)
     slurm.scontrol("update", f"JobId={job}", f"TimeLimit={submitted['TimeLimit']}", "StartTime=now")
-    _wait(lambda: slurm.job(job)["JobState"] == "COMPLETED", 300, "the requeued job did not complete", slurm, job,
-          requeued_dir)
+    wait_for(lambda: slurm.job(job)["JobState"] == "COMPLETED", 300, "the requeued job did not complete", details)
     assert slurm.job(reference)["JobState"] == "COMPLETED" and slurm.job(job)["ExitCode"] == "0:0"
 
     output = (requeued_dir / f"slurm-{job}.out").read_text()
