@@ -2,7 +2,8 @@
 # The prepared GPU check: run it first thing in any session that is lent a GPU, and put its table in the docs.
 #
 #   scripts/gpu_check.sh run     # on the GPU machine, through the device tool: `bash scripts/gpu_check.sh run`
-#   scripts/gpu_check.sh smoke   # on a CPU, the same commands at toy sizes (CI runs it, so the check cannot rot)
+#   scripts/gpu_check.sh smoke   # on a CPU, the same commands at toy sizes (CI runs it without the packages the GPU
+#                                 # image lacks, tests/helpers/device_image, so the check cannot rot)
 #
 # `run` needs nothing carried: the GPU image's torch, triton, transformers and lightning serve the kernels'
 # benchmarks and the model step (the 8-rank SmolLM2 emulation needs wheels and the GGUF file: scripts/gpu_emulation.sh,
@@ -39,7 +40,9 @@ smoke)
   lengths=(256 512 1024) reps=(1 1 1) model=(--preset demo --lengths 512 --reps 1)
   flex_variant=()  # FlexAttention has no backward on the CPU
   mkdir -p "$OUT"
-  echo "smoke run on the CPU: toy sizes, no CUDA tests" | tee "$OUT/cuda_tests.log"
+  stamp "CUDA tests, collected only"
+  python3 -m pytest -q --co -p no:cacheprovider tests/unit/kernels tests/unit/test_cuda.py 2>&1 \
+    | tee "$OUT/cuda_tests.log" | tail -1
   ;;
 *)
   echo "usage: scripts/gpu_check.sh run|smoke" >&2

@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh, the check a session lent a GPU runs first, in its CPU smoke mode: the same benchmark
-commands at toy sizes, so that the script cannot rot between GPU sessions."""
+commands at toy sizes, so that the script cannot rot between GPU sessions, and without the packages the GPU
+machine's image lacks (tests/helpers/device_image), so that it needs nothing carried there."""
 
 import os
 import subprocess
@@ -8,11 +9,12 @@ from main_runner import REPO
 
 
 def test_the_smoke_run_prints_the_whole_table(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path)}
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(REPO / "tests" / "helpers" / "device_image")}
     result = subprocess.run(["bash", "scripts/gpu_check.sh", "smoke"], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     table = (tmp_path / "summary.md").read_text()
+    assert "tests collected" in table  # the CUDA tests import there
     for tokens in (256, 512, 1024):
         assert f"{tokens}: selection / dense forward" in table
         assert f"{tokens}: kernels and host syncs per layer (torch tuned)" in table
