@@ -256,9 +256,9 @@ def _forward(q, k, v, layout: TileLayout, scale: float, threads: int) -> tuple[t
         q_rows = torch.index_select(q_blocks, 0, chunk.rows, out=ws.get("q", (rows, block, head_dim), q_blocks))
         k_cols = _gather(k_blocks, chunk.kv_slots, ws.get("k", cols, q_blocks))
         s = _scores(chunk, q_rows, k_cols, ws.get("s", (rows, block, width * block), q_blocks), key_major=False)
-        # exp(s - max) unnormalised, the output divided by its row sums afterwards: four light passes over the
-        # scores where softmax plus the max and lse passes took more. A token with no allowed key has max
-        # -inf, clamped so that its row is exp(-inf) = 0, its sum 0, its lse -inf and its output 0.
+        # exp(s - max) unnormalised and the output divided by its row sums afterwards: four light passes over
+        # the scores, which also give the lse (max + log sum). A token with no allowed key has max -inf,
+        # clamped so that its row is exp(-inf) = 0, its sum 0, its lse -inf and its output 0.
         row_max = s.amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(s.dtype).min)
         p = s.sub_(row_max).exp_()
         row_sum = p.sum(dim=-1, keepdim=True)
@@ -285,7 +285,7 @@ def backward(
 
     Scores are key-major here, [R, n * B, B]: the dK and dV partials then come tile by tile from plain
     matmuls (P^T dO and dS^T Q with a transposed [n * B, B] operand run at half MKL's speed); the forward keeps
-    query-major scores, whose row reductions are the faster ones."""
+    query-major scores (key-major ones are no faster there)."""
     with single_threaded() as threads:
         return _backward(q, k, v, out, lse, grad_out, layout, scale, threads)
 
