@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # The prepared GPU check: run it first thing in any session that is lent a GPU, and put its table in the docs.
 #
-#   scripts/gpu_check.sh run     # on the GPU machine, through the device tool: `bash scripts/gpu_check.sh run`
-#   scripts/gpu_check.sh smoke   # on a CPU, the same commands at toy sizes (CI runs it without the packages the GPU
-#                                 # image lacks, tests/helpers/device_image, so the check cannot rot)
+#   scripts/gpu_check.sh run          # on the GPU machine, through the device tool: `bash scripts/gpu_check.sh run`
+#   scripts/gpu_check.sh smoke        # on a CPU, the same commands at toy sizes (CI runs it without the packages the
+#                                     # GPU image lacks, tests/helpers/device_image, so the check cannot rot)
+#   scripts/gpu_check.sh summary DIR  # the table again from a run's $OUT (one cut short by the call's limit too)
 #
 # `run` needs nothing carried: the GPU image's torch, triton, transformers and lightning serve the kernels'
 # benchmarks and the model step (the 8-rank SmolLM2 emulation needs wheels and the GGUF file: scripts/gpu_emulation.sh,
-# two more calls). It fits one 10-minute call: the CUDA tests, then block-sparse attention forward and backward in
-# Qwen2.5-0.5B's attention shape (14 query and 2 KV heads, head dim 64, block 64, bf16) at 8K, 32K and 128K
-# tokens against cuDNN's and FlexAttention's dense attention, at densities 0.1, 0.25, 0.5 and 1.0, the selection's
-# share of the dense forward and the kernels and host synchronisations of one layer, then a whole-model step of
-# Qwen2.5-0.5B's dimensions at 32K tokens, dense against sparse at density 0.25. It ends with one table of the
-# figures against their targets. Each part's log and JSON land in $OUT (the device tool brings them back).
+# two more calls). Its parts, most wanted first, each capped so that all fit one 10-minute call: block-sparse
+# attention forward and backward in Qwen2.5-0.5B's attention shape (14 query and 2 KV heads, head dim 64, block 64,
+# bf16) at 8K and 32K tokens against cuDNN's and FlexAttention's dense attention, at densities 0.1, 0.25, 0.5 and
+# 1.0, with the selection's share of the dense forward and the kernels and host synchronisations of one layer; a
+# whole-model step of Qwen2.5-0.5B's dimensions at 32K tokens, dense against sparse at density 0.25; the CUDA
+# tests; the attention at 128K tokens. It ends with one table of the figures against their targets. Each part's
+# log and JSON land in $OUT as it ends (the device tool brings them back).
 set -uo pipefail
 # run from the repository root; the benchmarks import the package from this checkout, installed or not
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -21,46 +23,8 @@ OUT=${OUT:-outputs/gpu_check}
 started=$SECONDS
 stamp() { echo "== $1 at $((SECONDS - started)) s"; }
 
-case "$mode" in
-run)
-  device=cuda dtype=bf16 heads=(--q-heads 14 --kv-heads 2 --head-dim 64 --block-size 64 --stride 16)
-  lengths=(8192 32768 131072) reps=(5 5 3) model=(--preset qwen2.5-0.5b --lengths 32768 --reps 3)
-  flex_variant=(--attention "flex cap=0.25:kernel_backend=flex,tau=1.0,max_density=0.25")
-  mkdir -p "$OUT"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, triton, transformers, lightning
-print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__,
-      'lightning', lightning.__version__)"
-  stamp "CUDA tests"
-  timeout 240 python3 -m pytest -q --maxfail=10 -p no:cacheprovider tests/unit/kernels tests/unit/test_cuda.py \
-    2>&1 | tee "$OUT/cuda_tests.log" | tail -12
-  ;;
-smoke)
-  device=cpu dtype=fp32 heads=(--q-heads 2 --kv-heads 1 --head-dim 16 --block-size 16 --stride 8)
-  lengths=(256 512 1024) reps=(1 1 1) model=(--preset demo --lengths 512 --reps 1)
-  flex_variant=()  # FlexAttention has no backward on the CPU
-  mkdir -p "$OUT"
-  stamp "CUDA tests, collected only"
-  python3 -m pytest -q --co -p no:cacheprovider tests/unit/kernels tests/unit/test_cuda.py 2>&1 \
-    | tee "$OUT/cuda_tests.log" | tail -1
-  ;;
-*)
-  echo "usage: scripts/gpu_check.sh run|smoke" >&2
-  exit 2
-  ;;
-esac
-
-for i in 0 1 2; do
-  stamp "attention at ${lengths[$i]} tokens"
-  timeout 300 python3 benchmarks/attention.py --device "$device" --dtype "$dtype" "${heads[@]}" \
-    --tokens "${lengths[$i]}" --densities 0.1 0.25 0.5 1.0 --masks selected --reps "${reps[$i]}" --count \
-    --json "$OUT/attention_${lengths[$i]}.json" 2>&1 | tee "$OUT/attention_${lengths[$i]}.log" | tail -16
-done
-stamp "model step"
-timeout 300 python3 benchmarks/model_step.py "${model[@]}" --dtype "$dtype" --device "$device" --taus 0.9 \
-  --max-densities 0.25 "${flex_variant[@]}" --json "$OUT/model_step.json" 2>&1 | tee "$OUT/model_step.log" | tail -8
-stamp "summary"
-python3 - "$OUT" <<'PY' | tee "$OUT/summary.md"
+summary() {
+  python3 - "$1" <<'PY'
 import json, re, sys
 from pathlib import Path
 
@@ -72,8 +36,9 @@ def row(check, figure, target=""):
     rows.append(f"| {check} | {figure} | {target} |")
 
 
-tests = (out / "cuda_tests.log").read_text().strip().splitlines()
-row("CUDA tests", tests[-1] if tests else "no output")
+tests = out / "cuda_tests.log"
+lines = tests.read_text().strip().splitlines() if tests.exists() else []
+row("CUDA tests", lines[-1] if lines else "not run")
 attention = {int(re.search(r"_(\d+)\.json", p.name).group(1)): json.loads(p.read_text())
              for p in out.glob("attention_*.json")}
 for tokens, fig in sorted(attention.items()):
@@ -106,4 +71,53 @@ if step.exists():
 print("| check | figure | target |\n| --- | --- | --- |")
 print("\n".join(rows))
 PY
+}
+
+case "$mode" in
+run)
+  device=cuda dtype=bf16 heads=(--q-heads 14 --kv-heads 2 --head-dim 64 --block-size 64 --stride 16)
+  lengths=(8192 32768 131072) reps=(5 5 3) model=(--preset qwen2.5-0.5b --lengths 32768 --reps 3)
+  flex_variant=(--attention "flex cap=0.25:kernel_backend=flex,tau=1.0,max_density=0.25")
+  tests=(--maxfail=10)
+  mkdir -p "$OUT"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, transformers, lightning
+print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__,
+      'lightning', lightning.__version__)"
+  ;;
+smoke)
+  device=cpu dtype=fp32 heads=(--q-heads 2 --kv-heads 1 --head-dim 16 --block-size 16 --stride 8)
+  lengths=(256 512 1024) reps=(1 1 1) model=(--preset demo --lengths 512 --reps 1)
+  flex_variant=()  # FlexAttention has no backward on the CPU
+  tests=(--co)  # collected only: they need CUDA
+  mkdir -p "$OUT"
+  ;;
+summary)
+  summary "${2:?usage: scripts/gpu_check.sh summary DIR}"
+  exit
+  ;;
+*)
+  echo "usage: scripts/gpu_check.sh run|smoke|summary DIR" >&2
+  exit 2
+  ;;
+esac
+
+attention() {  # $1: index into lengths; $2: seconds allowed
+  stamp "attention at ${lengths[$1]} tokens"
+  timeout "$2" python3 benchmarks/attention.py --device "$device" --dtype "$dtype" "${heads[@]}" \
+    --tokens "${lengths[$1]}" --densities 0.1 0.25 0.5 1.0 --masks selected --reps "${reps[$1]}" --count \
+    --json "$OUT/attention_${lengths[$1]}.json" 2>&1 | tee "$OUT/attention_${lengths[$1]}.log" | tail -16
+}
+
+attention 0 100
+attention 1 110
+stamp "model step"
+timeout 150 python3 benchmarks/model_step.py "${model[@]}" --dtype "$dtype" --device "$device" --taus 0.9 \
+  --max-densities 0.25 "${flex_variant[@]}" --json "$OUT/model_step.json" 2>&1 | tee "$OUT/model_step.log" | tail -8
+stamp "CUDA tests"
+timeout 120 python3 -m pytest -q "${tests[@]}" -p no:cacheprovider tests/unit/kernels tests/unit/test_cuda.py 2>&1 \
+  | tee "$OUT/cuda_tests.log" | tail -12
+attention 2 100
+stamp "summary"
+summary "$OUT" | tee "$OUT/summary.md"
 stamp done

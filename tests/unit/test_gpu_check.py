@@ -20,6 +20,12 @@ def test_the_smoke_run_prints_the_whole_table(tmp_path):
         assert f"{tokens}: kernels and host syncs per layer (torch tuned)" in table
         assert f"{tokens}: torch sparse at density 0.25" in table
     assert "model step [512]: sparse cap=0.25" in table
+    # The table again from the files alone, as after a call cut short by its limit.
+    (tmp_path / "cuda_tests.log").unlink()
+    again = subprocess.run(["bash", "scripts/gpu_check.sh", "summary", str(tmp_path)], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "| CUDA tests | not run |" in again.stdout and "model step [512]: sparse cap=0.25" in again.stdout
 
 
 def test_an_unknown_mode_prints_the_usage():
