@@ -81,7 +81,7 @@ class SlurmCluster:
         if self._jobs:
             subprocess.run(["scancel", *self._jobs], env=self.env, capture_output=True, timeout=30)
             wait_for(lambda: all(self.job(j).get("JobState") not in _ALIVE for j in self._jobs), 60,
-                      "cancelled jobs still alive", self._logs, fail=False)
+                     "cancelled jobs still alive", self._logs, fail=False)
         for daemon in reversed(self._daemons):
             daemon.send_signal(signal.SIGTERM)
             try:
