@@ -6,15 +6,15 @@
 #                                     # GPU image lacks, tests/helpers/device_image, so the check cannot rot)
 #   scripts/gpu_check.sh summary DIR  # the table again from a run's $OUT (one cut short by the call's limit too)
 #
-# `run` needs nothing carried: the GPU image's torch, triton, transformers and lightning serve the kernels'
-# benchmarks and the model step (the 8-rank SmolLM2 emulation needs wheels and the GGUF file: scripts/gpu_emulation.sh,
-# two more calls). Its parts, most wanted first, each capped so that all fit one 10-minute call: block-sparse
-# attention forward and backward in Qwen2.5-0.5B's attention shape (14 query and 2 KV heads, head dim 64, block 64,
-# bf16) at 8K and 32K tokens against cuDNN's and FlexAttention's dense attention, at densities 0.1, 0.25, 0.5 and
-# 1.0, with the selection's share of the dense forward and the kernels and host synchronisations of one layer; a
-# whole-model step of Qwen2.5-0.5B's dimensions at 32K tokens, dense against sparse at density 0.25; the CUDA
-# tests; the attention at 128K tokens. It ends with one table of the figures against their targets. Each part's
-# log and JSON land in $OUT as it ends (the device tool brings them back).
+# `run` needs nothing carried: the GPU image's torch, triton, transformers and lightning serve the kernels' benchmarks
+# and the model step (the 8-rank SmolLM2 emulation needs wheels and the GGUF file: scripts/gpu_emulation.sh, two more
+# calls). After a short run that compiles the kernels, its parts, most wanted first, each capped so that all fit one
+# 10-minute call: block-sparse attention forward and backward in Qwen2.5-0.5B's attention shape (14 query and 2 KV
+# heads, head dim 64, block 64, bf16) at 8K and 32K tokens against cuDNN's and FlexAttention's dense attention, at
+# densities 0.1, 0.25, 0.5 and 1.0, with the selection's share of the dense forward and the kernels and host
+# synchronisations of one layer; a whole-model step of Qwen2.5-0.5B's dimensions at 32K tokens, dense against sparse
+# at density 0.25; the CUDA tests; the attention at 128K tokens. It ends with one table of the figures against their
+# targets. Each part's log and JSON land in $OUT as it ends (the device tool brings them back).
 set -uo pipefail
 # run from the repository root; the benchmarks import the package from this checkout, installed or not
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -76,7 +76,7 @@ PY
 case "$mode" in
 run)
   device=cuda dtype=bf16 heads=(--q-heads 14 --kv-heads 2 --head-dim 64 --block-size 64 --stride 16)
-  lengths=(8192 32768 131072) reps=(5 5 3) model=(--preset qwen2.5-0.5b --lengths 32768 --reps 3)
+  warm=2048 lengths=(8192 32768 131072) reps=(5 5 3) model=(--preset qwen2.5-0.5b --lengths 32768 --reps 3)
   flex_variant=(--attention "flex cap=0.25:kernel_backend=flex,tau=1.0,max_density=0.25")
   tests=(--maxfail=10)
   mkdir -p "$OUT"
@@ -87,7 +87,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', 
   ;;
 smoke)
   device=cpu dtype=fp32 heads=(--q-heads 2 --kv-heads 1 --head-dim 16 --block-size 16 --stride 8)
-  lengths=(256 512 1024) reps=(1 1 1) model=(--preset demo --lengths 512 --reps 1)
+  warm=128 lengths=(256 512 1024) reps=(1 1 1) model=(--preset demo --lengths 512 --reps 1)
   flex_variant=()  # FlexAttention has no backward on the CPU
   tests=(--co)  # collected only: they need CUDA
   mkdir -p "$OUT"
@@ -109,15 +109,20 @@ attention() {  # $1: index into lengths; $2: seconds allowed
     --json "$OUT/attention_${lengths[$1]}.json" 2>&1 | tee "$OUT/attention_${lengths[$1]}.log" | tail -16
 }
 
-attention 0 150  # the first part also compiles the kernels (Triton, FlexAttention) for the others
-attention 1 100
+# A short run first compiles the Triton kernels and FlexAttention into their on-disk caches, so that a slow first
+# compilation cannot cost a measured part its figures.
+stamp "compiling at $warm tokens"
+timeout 130 python3 benchmarks/attention.py --device "$device" --dtype "$dtype" "${heads[@]}" --tokens "$warm" \
+  --densities 0.25 1.0 --masks selected --reps 1 2>&1 | tail -3
+attention 0 80
+attention 1 90
 stamp "model step"
-timeout 140 python3 benchmarks/model_step.py "${model[@]}" --dtype "$dtype" --device "$device" --taus 0.9 \
+timeout 130 python3 benchmarks/model_step.py "${model[@]}" --dtype "$dtype" --device "$device" --taus 0.9 \
   --max-densities 0.25 "${flex_variant[@]}" --json "$OUT/model_step.json" 2>&1 | tee "$OUT/model_step.log" | tail -8
 stamp "CUDA tests"
-timeout 110 python3 -m pytest -q "${tests[@]}" -p no:cacheprovider tests/unit/kernels tests/unit/test_cuda.py 2>&1 \
+timeout 90 python3 -m pytest -q "${tests[@]}" -p no:cacheprovider tests/unit/kernels tests/unit/test_cuda.py 2>&1 \
   | tee "$OUT/cuda_tests.log" | tail -12
-attention 2 80
+attention 2 60
 stamp "summary"
 summary "$OUT" | tee "$OUT/summary.md"
 stamp done
