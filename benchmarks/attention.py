@@ -198,7 +198,7 @@ def main(argv=None) -> None:
                 print(f"launches per layer ({backend}, {name} budget: selection, attention forward and backward): "
                       f"{launched}, host syncs: {syncs}")
     if args.profile:
-        first = next(name for name in variants if isinstance(name, tuple))
+        first = (backends[0], *next(iter(masks)))  # the first sparse variant's key: backend, mask kind, density
         with torch.profiler.profile() as prof:
             variants[first]()
         print(f"where one call of {' '.join(map(str, first))} spends its time:")

@@ -1,10 +1,9 @@
 """The cluster simulation: the real planner and DST controller over many ranks, with times predicted by the cost
 model (its check against an emulated run is in tests/multiprocess/test_emulation.py)."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from main_runner import REPO
 
 from sparsebalance_pl import simulation
 from sparsebalance_pl.cost import CostModel
@@ -19,7 +18,7 @@ from sparsebalance_pl.variants import VARIANTS, dst_settings
 def test_the_h100_model_reproduces_the_figures_it_was_fitted_to():
     dims = PRESETS["qwen2.5-0.5b"].dims
     figures = simulation.h100_figures()
-    report = (Path(__file__).resolve().parents[2] / figures["source"]).read_text()  # the figures are the report's
+    report = (REPO / figures["source"]).read_text()  # the figures are the report's
     for key in ("attention_128k_s", "cudnn_attention_128k_s", "selection_128k_s", "model_32k_s"):
         assert f"{figures[key] * 1e3:.1f}" in report, key
     ours, cudnn = simulation.h100_latency(dims), simulation.h100_latency(dims, dense=True)

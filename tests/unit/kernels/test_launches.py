@@ -10,7 +10,6 @@ from sparsebalance_pl.kernels import LayerBudget, block_sparse_attention, select
 from sparsebalance_pl.kernels.launches import count_launches
 
 
-
 def test_the_counter_sees_launches_and_every_kind_of_host_read():
     x = torch.arange(6.0)
     with count_launches() as count:
