@@ -2,8 +2,9 @@
 
 The kept tiles that need no token mask (inside one document, below the diagonal) are FlexAttention's "full"
 blocks, which it computes without calling the mask; the others are its partial blocks, masked token by token
-by causality and document (``mask_mod``, which also holds the kept tiles for FlexAttention's uncompiled path). Key and value heads are shared by query groups (``enable_gqa``), never
-repeated. Every list is built with fixed-shape ops, so nothing is read back from the device.
+by causality and document (``mask_mod``, which also holds the kept tiles for FlexAttention's uncompiled path).
+Key and value heads are shared by query groups (``enable_gqa``), never repeated. Every list is built with
+fixed-shape ops, so nothing is read back from the device.
 
 On CUDA the attention runs compiled, once for all stream lengths (dynamic shapes); on the CPU it runs eagerly,
 forward only: FlexAttention has no backward on the CPU.

@@ -52,6 +52,13 @@ for tokens, fig in sorted(attention.items()):
     if full:
         row(f"{tokens}: best sparse backend at density 1 / {'cuDNN' if 'cudnn' in dense else 'dense'}",
             f"{min(full) / base:.3f}", "<= 1.25")
+    fastest = {}  # density -> the backends timed there, fastest first
+    for entry in sorted(fig["sparse"], key=lambda e: e["ms"]):
+        fastest.setdefault(entry["density"], []).append(entry["backend"])
+    wins = [names[0] for names in fastest.values() if len(names) > 1]
+    if wins:
+        row(f"{tokens}: fastest sparse backend, densities won", ", ".join(
+            f"{name} {wins.count(name)}/{len(wins)}" for name in sorted(set(wins))), "the GPU default")
     row(f"{tokens}: selection / dense forward", f"{fig['selection_ms'] / fig['dense_forward_ms']:.3f} "
         f"({fig['selection_ms']:.2f} ms)", "<= 0.10")
     low = [e for e in fig["sparse"] if e["density"] == 0.1]

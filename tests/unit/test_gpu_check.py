@@ -2,6 +2,7 @@
 commands at toy sizes, so that the script cannot rot between GPU sessions, and without the packages the GPU
 machine's image lacks (tests/helpers/device_image), so that it needs nothing carried there."""
 
+import json
 import os
 import subprocess
 
@@ -26,6 +27,22 @@ def test_the_smoke_run_prints_the_whole_table(tmp_path):
                            text=True, timeout=60)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "| CUDA tests | not run |" in again.stdout and "model step [512]: sparse cap=0.25" in again.stdout
+
+
+def test_the_summary_counts_the_densities_each_backend_is_fastest_at(tmp_path):
+    sparse = [{"backend": "triton", "mask": "selected", "density": 0.25, "ms": 3.0},
+              {"backend": "flex", "mask": "selected", "density": 0.25, "ms": 2.0},
+              {"backend": "triton", "mask": "selected", "density": 1.0, "ms": 9.0},
+              {"backend": "flex", "mask": "selected", "density": 1.0, "ms": 11.0},
+              {"backend": "flex", "mask": "selected", "density": 0.5, "ms": 5.0}]  # timed alone: no contest
+    figures = {"dense_ms": {"dense": 10.0, "cudnn": 8.0}, "selection_ms": 0.5, "dense_forward_ms": 4.0,
+               "sparse": sparse}
+    (tmp_path / "attention_32768.json").write_text(json.dumps(figures))
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "summary", str(tmp_path)], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "| 32768: fastest sparse backend, densities won | flex 1/2, triton 1/2 | the GPU default |" in result.stdout
+    assert "| 32768: best sparse backend at density 1 / cuDNN | 1.125 | <= 1.25 |" in result.stdout
 
 
 def test_an_unknown_mode_prints_the_usage():
