@@ -58,7 +58,7 @@ for tokens, fig in sorted(attention.items()):
     wins = [names[0] for names in fastest.values() if len(names) > 1]
     if wins:
         row(f"{tokens}: fastest sparse backend, densities won", ", ".join(
-            f"{name} {wins.count(name)}/{len(wins)}" for name in sorted(set(wins))), "the GPU default")
+            f"{name} {wins.count(name)}/{len(wins)}" for name in sorted(set(wins))), "decides the GPU default")
     row(f"{tokens}: selection / dense forward", f"{fig['selection_ms'] / fig['dense_forward_ms']:.3f} "
         f"({fig['selection_ms']:.2f} ms)", "<= 0.10")
     low = [e for e in fig["sparse"] if e["density"] == 0.1]
