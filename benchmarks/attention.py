@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from sparsebalance_pl.kernels import LayerBudget, attention_recall, block_sparse_attention, select_blocks
 from sparsebalance_pl.kernels import select_with_budget
-from sparsebalance_pl.kernels.launches import count_launches
+from sparsebalance_pl.kernels.launches import compiling_for, count_launches, resource_usage
 from sparsebalance_pl.kernels.layout import candidate_tiles, forced_tiles, token_doc_ids
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,6 +70,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--profile", action="store_true",
         help="also print where one forward and backward of the first sparse variant spends its time (torch.profiler)",
     )
+    parser.add_argument(
+        "--compile-for", type=int, default=None, metavar="ARCH",
+        help="only compile one layer's Triton kernels for this CUDA architecture (90: H100 and H200) on meta tensors, "
+             "no GPU needed, and print each kernel's registers, spilled bytes and shared memory; nothing is timed",
+    )
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2048 tokens, 4/2 heads: a smoke run")
@@ -91,6 +96,8 @@ def timed(fn, device: torch.device) -> float:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.compile_for is not None:
+        return compile_layer(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
@@ -224,17 +231,48 @@ def cudnn_dense(q, k, v, grad, cu_seqlens):
     return run
 
 
+def run_layer(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, backend) -> None:
+    """One layer's selection (with the densities and estimated recalls a module logs) and attention, forward and
+    backward, at ``budget`` against ``base``."""
+    selection = select_with_budget(q.detach(), k.detach(), cu_seqlens, budget, base, block_size=block_size,
+                                   stride=stride, backend=backend)
+    for stats in (selection.stats, selection.base_stats):
+        stats.mean_density(), stats.mean_kept_mass()
+    out = block_sparse_attention(q, k, v, selection.mask, cu_seqlens, block_size=block_size, backend=backend)
+    torch.autograd.grad(out, (q, k, v), grad)
+
+
+def compile_layer(args: argparse.Namespace) -> None:
+    """``--compile-for``: every Triton kernel one layer launches (base and tuned budgets, two documents), compiled
+    for the architecture from meta tensors of the benchmark's shapes and dtype, with what each needs of the GPU."""
+    from triton.backends.compiler import GPUTarget
+
+    meta = dict(device="meta", dtype=DTYPES[args.dtype])
+    q = torch.empty(args.tokens, args.q_heads, args.head_dim, **meta, requires_grad=True)
+    k, v = (torch.empty(args.tokens, args.kv_heads, args.head_dim, **meta, requires_grad=True) for _ in range(2))
+    cu_seqlens = torch.tensor([0, args.tokens // 3, args.tokens], dtype=torch.int32, device="meta")
+    base = LayerBudget(args.tau)
+    usage = {}
+    with compiling_for(GPUTarget("cuda", args.compile_for, 32)) as compiled:
+        for budget in (base, LayerBudget(min(args.tau + 0.05, 1.0), None, 0.7)):
+            run_layer(q, k, v, torch.empty_like(q), cu_seqlens, args.block_size, args.stride, budget, base, "triton")
+    for kernel in compiled:
+        usage.setdefault(kernel.name, resource_usage(kernel))
+    print(f"one layer's Triton kernels compiled for sm_{args.compile_for}: T={args.tokens} Hq={args.q_heads} "
+          f"Hkv={args.kv_heads} D={args.head_dim} B={args.block_size} {args.dtype}")
+    print(f"{'kernel':<20}{'registers':>10}{'spilled B':>11}{'shared KiB':>12}")
+    for name, need in usage.items():
+        print(f"{name:<20}{need['registers']:>10}{need['stack_bytes']:>11}{need['shared_bytes'] / 1024:>12.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"arch": args.compile_for, "dtype": args.dtype, "kernels": usage},
+                                              indent=1))
+
+
 def layer_launches(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, backend) -> tuple[int, int | str]:
-    """(kernels launched, host synchronisations) of one layer's selection (with the densities and estimated
-    recalls a module logs) and attention, forward and backward, at ``budget`` against ``base``."""
+    """(kernels launched, host synchronisations) of ``run_layer``."""
 
     def layer():
-        selection = select_with_budget(q.detach(), k.detach(), cu_seqlens, budget, base, block_size=block_size,
-                                       stride=stride, backend=backend)
-        for stats in (selection.stats, selection.base_stats):
-            stats.mean_density(), stats.mean_kept_mass()
-        out = block_sparse_attention(q, k, v, selection.mask, cu_seqlens, block_size=block_size, backend=backend)
-        torch.autograd.grad(out, (q, k, v), grad)
+        run_layer(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, backend)
 
     if q.device.type != "cuda":
         with count_launches(as_device=True) as count:

@@ -23,13 +23,13 @@ BACKENDS = ("auto", "torch", "triton", "flex")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """"auto" is triton on CUDA tensors and torch otherwise; triton on CPU needs TRITON_INTERPRET=1; flex runs
-    anywhere, but only forward on the CPU."""
+    """"auto" is triton on CUDA tensors and torch otherwise; triton on CPU needs TRITON_INTERPRET=1 (on meta
+    tensors nothing runs: ``launches.compiling_for``); flex runs anywhere, but only forward on the CPU."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and device.type not in ("cuda", "meta") and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported")
     return backend
 

@@ -113,7 +113,8 @@ def estimate_block_mass(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         GROUP=num_q_heads // k.shape[1], STRIDE=stride, PER_BLOCK=per_block, HEAD_DIM=head_dim,
         BLOCK_R=block_r, BLOCK_C=max(64, per_block), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        NATIVE=q.is_cuda and q.dtype in (torch.float16, torch.bfloat16),
+        NATIVE=q.device.type != "cpu" and q.dtype in (torch.float16, torch.bfloat16),  # compiled, not interpreted
+        num_warps=8,  # with 4, a thread's share of the tiles spills out of its registers
     )
     return mass
 

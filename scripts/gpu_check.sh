@@ -3,7 +3,8 @@
 #
 #   scripts/gpu_check.sh run          # on the GPU machine, through the device tool: `bash scripts/gpu_check.sh run`
 #   scripts/gpu_check.sh smoke        # on a CPU, the same commands at toy sizes (CI runs it without the packages the
-#                                     # GPU image lacks, tests/helpers/device_image, so the check cannot rot)
+#                                     # GPU image lacks, tests/helpers/device_image, so the check cannot rot), and
+#                                     # the Triton kernels compiled for Hopper (sm_90) in the run's shapes
 #   scripts/gpu_check.sh summary DIR  # the table again from a run's $OUT (one cut short by the call's limit too)
 #
 # `run` needs nothing carried: the GPU image's torch, triton, transformers and lightning serve the kernels' benchmarks
@@ -69,6 +70,11 @@ for tokens, fig in sorted(attention.items()):
     for variant, count in fig.get("launches", {}).items():
         row(f"{tokens}: kernels and host syncs per layer ({variant})", f"{count['kernels']}, {count['host_syncs']}",
             "<= 40, 0")
+for path in sorted(out.glob("compiled_sm*.json")):
+    fig = json.loads(path.read_text())
+    for name, need in fig["kernels"].items():
+        row(f"sm_{fig['arch']}, {fig['dtype']}, compiled without the GPU: {name}", f"{need['registers']} registers, "
+            f"{need['stack_bytes']} B spilled, {need['shared_bytes'] / 1024:.1f} KiB shared", "0 B spilled")
 step = out / "model_step.json"
 if step.exists():
     fig = json.loads(step.read_text())
@@ -80,9 +86,10 @@ print("\n".join(rows))
 PY
 }
 
+gpu_heads=(--q-heads 14 --kv-heads 2 --head-dim 64 --block-size 64 --stride 16)  # Qwen2.5-0.5B's attention
 case "$mode" in
 run)
-  device=cuda dtype=bf16 heads=(--q-heads 14 --kv-heads 2 --head-dim 64 --block-size 64 --stride 16)
+  device=cuda dtype=bf16 heads=("${gpu_heads[@]}")
   warm=2048 lengths=(8192 32768 131072) reps=(5 5 3) model=(--preset qwen2.5-0.5b --lengths 32768 --reps 3)
   flex_variant=(--attention "flex cap=0.25:kernel_backend=flex,tau=1.0,max_density=0.25")
   tests=(--maxfail=10)
@@ -98,6 +105,9 @@ smoke)
   flex_variant=()  # FlexAttention has no backward on the CPU
   tests=(--co)  # collected only: they need CUDA
   mkdir -p "$OUT"
+  stamp "compiling the Triton kernels for sm_90 (Hopper) in the run's shapes"
+  env -u TRITON_INTERPRET python3 benchmarks/attention.py --compile-for 90 --dtype bf16 "${gpu_heads[@]}" \
+    --json "$OUT/compiled_sm90.json" 2>&1 | tee "$OUT/compiled_sm90.log" | tail -8
   ;;
 summary)
   summary "${2:?usage: scripts/gpu_check.sh summary DIR}"

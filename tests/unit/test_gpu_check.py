@@ -21,6 +21,11 @@ def test_the_smoke_run_prints_the_whole_table(tmp_path):
         assert f"{tokens}: kernels and host syncs per layer (torch tuned)" in table
         assert f"{tokens}: torch sparse at density 0.25" in table
     assert "model step [512]: sparse cap=0.25" in table
+    # Hopper's compiler, run here, on the kernels in the run's shapes: none may spill registers.
+    compiled = [line for line in table.splitlines() if "sm_90, bf16, compiled without the GPU" in line]
+    assert {"_block_mass_kernel", "_rank_kernel", "_fwd_kernel", "_dq_kernel", "_dkdv_kernel"} <= {
+        line.split(": ")[1].split(" |")[0] for line in compiled}
+    assert all(" 0 B spilled," in line for line in compiled), compiled
     # The table again from the files alone, as after a call cut short by its limit.
     (tmp_path / "cuda_tests.log").unlink()
     again = subprocess.run(["bash", "scripts/gpu_check.sh", "summary", str(tmp_path)], cwd=REPO, capture_output=True,
