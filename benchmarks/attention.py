@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from sparsebalance_pl.kernels import LayerBudget, attention_recall, block_sparse_attention, select_blocks
 from sparsebalance_pl.kernels import select_with_budget
-from sparsebalance_pl.kernels.launches import compiling_for, count_launches, resource_usage
+from sparsebalance_pl.kernels.launches import count_launches
 from sparsebalance_pl.kernels.layout import candidate_tiles, forced_tiles, token_doc_ids
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -195,10 +195,10 @@ def main(argv=None) -> None:
                    for (kind, d) in masks for backend in backends],
     }
     if args.count:
-        base, figures["launches"] = LayerBudget(args.tau), {}
-        moved = LayerBudget(min(args.tau + 0.05, 1.0), None, 0.7)  # a straggler's budget under DST
+        figures["launches"] = {}
+        base = LayerBudget(args.tau)
         for backend in backends:
-            for name, budget in (("base", base), ("tuned", moved)):
+            for name, budget in layer_budgets(args.tau).items():
                 launched, syncs = layer_launches(q, k, v, grad, cu_seqlens, args.block_size, args.stride, budget,
                                                  base, backend)
                 figures["launches"][f"{backend} {name}"] = {"kernels": launched, "host_syncs": syncs}
@@ -242,27 +242,36 @@ def run_layer(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, backe
     torch.autograd.grad(out, (q, k, v), grad)
 
 
+def layer_budgets(tau: float) -> dict[str, LayerBudget]:
+    """The layer's base budget and one DST sets for a straggler (another tau, a tile bound)."""
+    return {"base": LayerBudget(tau), "tuned": LayerBudget(min(tau + 0.05, 1.0), None, 0.7)}
+
+
 def compile_layer(args: argparse.Namespace) -> None:
-    """``--compile-for``: every Triton kernel one layer launches (base and tuned budgets, two documents), compiled
-    for the architecture from meta tensors of the benchmark's shapes and dtype, with what each needs of the GPU."""
+    """``--compile-for``: every Triton kernel one layer launches at both ``layer_budgets``, compiled for the
+    architecture from meta tensors of the benchmark's shapes, dtype and documents, with what each needs of the
+    GPU (each distinct binary once)."""
     from triton.backends.compiler import GPUTarget
+
+    from sparsebalance_pl.kernels.cross_compile import compiling_for, resource_usage
 
     meta = dict(device="meta", dtype=DTYPES[args.dtype])
     q = torch.empty(args.tokens, args.q_heads, args.head_dim, **meta, requires_grad=True)
     k, v = (torch.empty(args.tokens, args.kv_heads, args.head_dim, **meta, requires_grad=True) for _ in range(2))
-    cu_seqlens = torch.tensor([0, args.tokens // 3, args.tokens], dtype=torch.int32, device="meta")
-    base = LayerBudget(args.tau)
-    usage = {}
+    cu_seqlens = torch.linspace(0, args.tokens, args.docs + 1).round().to(device="meta", dtype=torch.int32)
+    budgets = layer_budgets(args.tau)
     with compiling_for(GPUTarget("cuda", args.compile_for, 32)) as compiled:
-        for budget in (base, LayerBudget(min(args.tau + 0.05, 1.0), None, 0.7)):
-            run_layer(q, k, v, torch.empty_like(q), cu_seqlens, args.block_size, args.stride, budget, base, "triton")
-    for kernel in compiled:
-        usage.setdefault(kernel.name, resource_usage(kernel))
-    print(f"one layer's Triton kernels compiled for sm_{args.compile_for}: T={args.tokens} Hq={args.q_heads} "
-          f"Hkv={args.kv_heads} D={args.head_dim} B={args.block_size} {args.dtype}")
+        for budget in budgets.values():
+            run_layer(q, k, v, torch.empty_like(q), cu_seqlens, args.block_size, args.stride, budget, budgets["base"],
+                      "triton")
+    binaries = {kernel.hash: kernel for kernel in compiled}
+    usage = [{"kernel": kernel.name, **resource_usage(kernel)} for kernel in binaries.values()]
+    print(f"one layer's Triton kernels compiled for sm_{args.compile_for}: T={args.tokens} docs={args.docs} "
+          f"Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} B={args.block_size} {args.dtype}")
     print(f"{'kernel':<20}{'registers':>10}{'spilled B':>11}{'shared KiB':>12}")
-    for name, need in usage.items():
-        print(f"{name:<20}{need['registers']:>10}{need['stack_bytes']:>11}{need['shared_bytes'] / 1024:>12.1f}")
+    for need in usage:
+        shared = need["shared_bytes"] / 1024
+        print(f"{need['kernel']:<20}{need['registers']:>10}{need['stack_bytes']:>11}{shared:>12.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"arch": args.compile_for, "dtype": args.dtype, "kernels": usage},
                                               indent=1))

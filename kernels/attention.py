@@ -24,7 +24,7 @@ BACKENDS = ("auto", "torch", "triton", "flex")
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """"auto" is triton on CUDA tensors and torch otherwise; triton on CPU needs TRITON_INTERPRET=1 (on meta
-    tensors nothing runs: ``launches.compiling_for``); flex runs anywhere, but only forward on the CPU."""
+    tensors nothing runs: ``cross_compile.compiling_for``); flex runs anywhere, but only forward on the CPU."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":

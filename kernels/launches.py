@@ -1,5 +1,4 @@
-"""Counting what a piece of work asks of the device: kernel launches and host synchronisations; and compiling
-its Triton kernels for a GPU that is not here (``compiling_for``), to read their registers and memory.
+"""Counting what a piece of work asks of the device: kernel launches and host synchronisations.
 
 On a GPU every aten op that computes something is a kernel launch costing a few microseconds of host time,
 and every op whose result the host must read (``.item()``, ``.tolist()``, ``nonzero``, a Python ``if`` on a
@@ -17,10 +16,6 @@ checks that read a tensor only where reading is free (``host_readable``) are ski
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import tempfile
 import threading
 from collections import Counter
 from contextlib import contextmanager
@@ -85,13 +80,15 @@ def host_readable(x: torch.Tensor) -> bool:
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``, counted by every active ``count_launches``."""
+    """``kernel[grid](*args, **kwargs)``, counted by every active ``count_launches``; compiled, not run, inside
+    ``compiled_not_run``."""
     counts = _active()
     for count in counts:
         count.triton[kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)] += 1
     if _state.compiling is not None:
-        target, compiled = _state.compiling
-        compiled.append(_compile(kernel, target, args, kwargs))
+        if any(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in (*args, *kwargs.values())):
+            raise RuntimeError(f"{kernel.fn.__name__}: kernels are compiled here, not run: pass meta tensors")
+        _state.compiling.append(kernel.warmup(*args, grid=grid, **kwargs))
         return
     _state.paused += 1
     try:
@@ -101,66 +98,16 @@ def launch(kernel, grid, *args, **kwargs) -> None:
 
 
 @contextmanager
-def compiling_for(target):
-    """Inside, ``launch`` compiles each kernel for ``target`` (a ``triton.backends.compiler.GPUTarget``) from the
-    arguments it is given, instead of running it, and appends the compiled kernel to the yielded list (its
-    ``name``; ``resource_usage`` reads its needs): a GPU's compilation of the work inside, checked on a machine
-    without that GPU. Run the work on meta tensors: their shapes and dtypes carry it from launch to launch without
-    data, and nothing reads them."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("compiling for a GPU needs Triton's compiler, not its interpreter: unset TRITON_INTERPRET")
+def compiled_not_run():
+    """Inside, ``launch`` compiles each kernel through Triton's ``warmup`` instead of running it, and appends the
+    compiled kernel to the yielded list: ``cross_compile.compiling_for`` points Triton at a GPU that is not here."""
     _active()
     compiled: list = []
-    previous, _state.compiling = _state.compiling, (target, compiled)
+    previous, _state.compiling = _state.compiling, compiled
     try:
         yield compiled
     finally:
         _state.compiling = previous
-
-
-# Triton's names of the tensor dtypes the kernels take, as pointers.
-_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
-                  torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
-                  torch.bool: "i1"}
-
-
-def resource_usage(compiled) -> dict[str, int]:
-    """What a kernel from ``compiling_for`` needs of its GPU: registers and stack bytes per thread (a stack is
-    registers spilled to local memory, in these kernels, which hold no arrays) and shared memory bytes per
-    program, read from its binary with the ``cuobjdump`` that Triton ships."""
-    import triton
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as binary:
-        binary.write(compiled.asm["cubin"])
-        binary.flush()
-        listing = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", binary.name], check=True,
-                                 capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+)", listing)
-    return {"registers": int(found[1]), "stack_bytes": int(found[2]), "shared_bytes": compiled.metadata.shared}
-
-
-def _compile(kernel, target, args, kwargs):
-    """``kernel`` compiled for ``target`` as ``kernel[grid](*args, **kwargs)`` would compile it (without the
-    specialisations Triton makes for particular values: ints equal to 1, pointers aligned to 16 bytes)."""
-    import triton
-    from triton.compiler import ASTSource
-
-    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
-    values = {**{param.name: value for param, value in zip(kernel.params, args)}, **kwargs}
-    signature, constexprs = {}, {}
-    for param in kernel.params:
-        value = values[param.name]
-        if param.is_constexpr:
-            signature[param.name], constexprs[param.name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[param.name] = "*" + _TRITON_DTYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[param.name] = "i1"
-        elif isinstance(value, int):
-            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-        else:
-            signature[param.name] = "fp32"
-    return triton.compile(ASTSource(kernel, signature, constexprs), target=target, options=options)
 
 
 def _is_sync(func, name: str, args, kwargs) -> str | None:

@@ -53,12 +53,12 @@ for tokens, fig in sorted(attention.items()):
     if full:
         row(f"{tokens}: best sparse backend at density 1 / {'cuDNN' if 'cudnn' in dense else 'dense'}",
             f"{min(full) / base:.3f}", "<= 1.25")
-    fastest = {}  # density -> the backends timed there, fastest first
+    fastest = {}  # (mask, density) -> the backends timed there, fastest first
     for entry in sorted(fig["sparse"], key=lambda e: e["ms"]):
-        fastest.setdefault(entry["density"], []).append(entry["backend"])
+        fastest.setdefault((entry["mask"], entry["density"]), []).append(entry["backend"])
     wins = [names[0] for names in fastest.values() if len(names) > 1]
     if wins:
-        row(f"{tokens}: fastest sparse backend, densities won", ", ".join(
+        row(f"{tokens}: fastest sparse backend, masks and densities won", ", ".join(
             f"{name} {wins.count(name)}/{len(wins)}" for name in sorted(set(wins))), "decides the GPU default")
     row(f"{tokens}: selection / dense forward", f"{fig['selection_ms'] / fig['dense_forward_ms']:.3f} "
         f"({fig['selection_ms']:.2f} ms)", "<= 0.10")
@@ -72,9 +72,9 @@ for tokens, fig in sorted(attention.items()):
             "<= 40, 0")
 for path in sorted(out.glob("compiled_sm*.json")):
     fig = json.loads(path.read_text())
-    for name, need in fig["kernels"].items():
-        row(f"sm_{fig['arch']}, {fig['dtype']}, compiled without the GPU: {name}", f"{need['registers']} registers, "
-            f"{need['stack_bytes']} B spilled, {need['shared_bytes'] / 1024:.1f} KiB shared", "0 B spilled")
+    for need in fig["kernels"]:
+        row(f"sm_{fig['arch']}, {fig['dtype']}, compiled without the GPU: {need['kernel']}", f"{need['registers']} "
+            f"registers, {need['stack_bytes']} B spilled, {need['shared_bytes'] / 1024:.1f} KiB shared", "0 B spilled")
 step = out / "model_step.json"
 if step.exists():
     fig = json.loads(step.read_text())
@@ -106,7 +106,7 @@ smoke)
   tests=(--co)  # collected only: they need CUDA
   mkdir -p "$OUT"
   stamp "compiling the Triton kernels for sm_90 (Hopper) in the run's shapes"
-  env -u TRITON_INTERPRET python3 benchmarks/attention.py --compile-for 90 --dtype bf16 "${gpu_heads[@]}" \
+  env -u TRITON_INTERPRET timeout 120 python3 benchmarks/attention.py --compile-for 90 --dtype bf16 "${gpu_heads[@]}" \
     --json "$OUT/compiled_sm90.json" 2>&1 | tee "$OUT/compiled_sm90.log" | tail -8
   ;;
 summary)
