@@ -195,12 +195,11 @@ def main(argv=None) -> None:
                    for (kind, d) in masks for backend in backends],
     }
     if args.count:
-        figures["launches"] = {}
-        base = LayerBudget(args.tau)
+        figures["launches"], budgets = {}, layer_budgets(args.tau)
         for backend in backends:
-            for name, budget in layer_budgets(args.tau).items():
+            for name, budget in budgets.items():
                 launched, syncs = layer_launches(q, k, v, grad, cu_seqlens, args.block_size, args.stride, budget,
-                                                 base, backend)
+                                                 budgets["base"], backend)
                 figures["launches"][f"{backend} {name}"] = {"kernels": launched, "host_syncs": syncs}
                 print(f"launches per layer ({backend}, {name} budget: selection, attention forward and backward): "
                       f"{launched}, host syncs: {syncs}")
