@@ -57,14 +57,12 @@ class OfflineDriver(DriverBase):
 def compiling_for(target):
     """Inside, every Triton kernel the work launches is compiled for ``target`` (a
     ``triton.backends.compiler.GPUTarget``, e.g. ``GPUTarget("cuda", 90, 32)`` for H100 and H200) instead of run,
-    and appended to the yielded list. Only where there is no GPU, whose launches compile for it anyway."""
+    and appended to the yielded list."""
     if triton.knobs.runtime.interpret:
         raise RuntimeError("compiling for a GPU needs Triton's compiler, not its interpreter: unset TRITON_INTERPRET")
-    if torch.cuda.is_available():
-        raise RuntimeError("compiling_for is for machines without a GPU: where there is one, launches compile for it")
     try:
         previous = driver.active
-    except RuntimeError:  # no GPU, hence no driver of Triton's own: none to restore
+    except RuntimeError:  # no GPU, hence no driver of Triton's own yet; None restores just that
         previous = None
     driver.set_active(OfflineDriver(target))
     try:

@@ -83,11 +83,13 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``, counted by every active ``count_launches``; compiled, not run, inside
     ``compiled_not_run``."""
     counts = _active()
+    name = kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)
+    compiling = _state.compiling is not None
+    if compiling and any(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in (*args, *kwargs.values())):
+        raise RuntimeError(f"{name}: kernels are compiled here, not run: pass meta tensors")
     for count in counts:
-        count.triton[kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)] += 1
-    if _state.compiling is not None:
-        if any(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in (*args, *kwargs.values())):
-            raise RuntimeError(f"{kernel.fn.__name__}: kernels are compiled here, not run: pass meta tensors")
+        count.triton[name] += 1
+    if compiling:
         _state.compiling.append(kernel.warmup(*args, grid=grid, **kwargs))
         return
     _state.paused += 1

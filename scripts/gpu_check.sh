@@ -107,7 +107,7 @@ smoke)
   mkdir -p "$OUT"
   stamp "compiling the Triton kernels for sm_90 (Hopper) in the run's shapes"
   env -u TRITON_INTERPRET timeout 120 python3 benchmarks/attention.py --compile-for 90 --dtype bf16 "${gpu_heads[@]}" \
-    --json "$OUT/compiled_sm90.json" 2>&1 | tee "$OUT/compiled_sm90.log" | tail -8
+    --json "$OUT/compiled_sm90.json" 2>&1 | tee "$OUT/compiled_sm90.log" | tail -9
   ;;
 summary)
   summary "${2:?usage: scripts/gpu_check.sh summary DIR}"

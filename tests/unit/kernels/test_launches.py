@@ -7,7 +7,8 @@ import torch
 from attention_cases import TRITON_OK
 
 from sparsebalance_pl.kernels import LayerBudget, block_sparse_attention, select_with_budget
-from sparsebalance_pl.kernels.launches import count_launches
+from sparsebalance_pl.kernels.attention_triton import _fwd_kernel
+from sparsebalance_pl.kernels.launches import compiled_not_run, count_launches, launch
 
 
 def test_the_counter_sees_launches_and_every_kind_of_host_read():
@@ -28,6 +29,14 @@ def test_the_counter_sees_launches_and_every_kind_of_host_read():
         "repeat_interleave without output_size": 1,
     }
     assert count.launches == sum(count.ops.values())
+
+
+def test_a_kernel_given_real_tensors_is_neither_compiled_nor_run_in_their_place():
+    out = torch.zeros(4)
+    with count_launches() as count, compiled_not_run() as compiled:
+        with pytest.raises(RuntimeError, match="_fwd_kernel: .* pass meta tensors"):
+            launch(_fwd_kernel, (1,), out)
+    assert compiled == [] and not out.any() and count.launches == 0
 
 
 def _layer(num_tokens: int, docs: int, budget: LayerBudget):
