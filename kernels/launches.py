@@ -83,20 +83,29 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``, counted by every active ``count_launches``; compiled, not run, inside
     ``compiled_not_run``."""
     counts = _active()
-    name = kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)
     compiling = _state.compiling is not None
-    if compiling and any(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in (*args, *kwargs.values())):
-        raise RuntimeError(f"{name}: kernels are compiled here, not run: pass meta tensors")
+    if compiling:  # first: a launch refused here is not counted
+        _state.compiling.append(_compiled(kernel, grid, args, kwargs))
     for count in counts:
-        count.triton[name] += 1
+        count.triton[_kernel_name(kernel)] += 1
     if compiling:
-        _state.compiling.append(kernel.warmup(*args, grid=grid, **kwargs))
         return
     _state.paused += 1
     try:
         kernel[grid](*args, **kwargs)
     finally:
         _state.paused -= 1
+
+
+def _kernel_name(kernel) -> str:
+    return kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)
+
+
+def _compiled(kernel, grid, args, kwargs):
+    """``kernel`` compiled by Triton's ``warmup`` for the launch ``kernel[grid](*args, **kwargs)``, not run."""
+    if any(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in (*args, *kwargs.values())):
+        raise RuntimeError(f"{_kernel_name(kernel)}: kernels are compiled here, not run: pass meta tensors")
+    return kernel.warmup(*args, grid=grid, **kwargs)
 
 
 @contextmanager
