@@ -40,6 +40,7 @@ from sparsebalance_pl.kernels import LayerBudget, attention_recall, block_sparse
 from sparsebalance_pl.kernels import select_with_budget
 from sparsebalance_pl.kernels.launches import count_launches
 from sparsebalance_pl.kernels.layout import candidate_tiles, forced_tiles, token_doc_ids
+from sparsebalance_pl.variants import attempt
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MASKS = ("selected", "scattered")
@@ -153,12 +154,20 @@ def main(argv=None) -> None:
     for key, mask in masks.items():
         for backend in backends:
             variants[(backend, *key)] = sparse(mask, backend)
-    for fn in variants.values():  # warm-up (and Triton compilation)
-        fn()
-    times = {name: [] for name in variants}
+    failed: dict[str, str] = {}  # variant label -> why it did not run
+    for name, fn in variants.items():  # warm-up (and Triton compilation)
+        attempt(variant_label(name), lambda: timed(fn, device), failed)
+    times = {name: [] for name in variants if variant_label(name) not in failed}
     for _ in range(args.reps):
-        for name, fn in variants.items():
-            times[name].append(timed(fn, device))
+        for name in list(times):
+            seconds = attempt(variant_label(name), lambda: timed(variants[name], device), failed)
+            if seconds is None:
+                del times[name]
+            else:
+                times[name].append(seconds)
+    for name in ("dense fwd+bwd", "dense fwd", "selection"):  # what every ratio needs
+        if name in failed:
+            raise SystemExit(f"{name} failed: {failed[name]}")
     med = {name: statistics.median(t) for name, t in times.items()}
 
     mask, stats = select(args.tau)
@@ -175,14 +184,17 @@ def main(argv=None) -> None:
     base = med["dense fwd+bwd"]
     print(f"{'dense sdpa':<18}{'causal':<11}{1.0:>9.3f}{base * 1e3:>11.1f}{1.0:>9.3f}")
     for name in ("cudnn fwd+bwd", "flex dense fwd+bwd"):
+        label = name.removesuffix(" fwd+bwd")
         if name in med:
-            label = name.removesuffix(" fwd+bwd")
             print(f"{label:<18}{'causal':<11}{1.0:>9.3f}{med[name] * 1e3:>11.1f}{med[name] / base:>9.3f}")
+        elif name in failed:
+            print(f"{label:<18}{'causal':<11}{1.0:>9.3f}  failed: {failed[name]}")
     for (kind, d), mask in masks.items():
         actual = float((mask & candidates).sum() / (candidates.sum() * args.q_heads))
         for backend in backends:
-            t = med[(backend, kind, d)]
-            print(f"{backend + ' sparse':<18}{kind:<11}{actual:>9.3f}{t * 1e3:>11.1f}{t / base:>9.3f}")
+            key, row = (backend, kind, d), f"{backend + ' sparse':<18}{kind:<11}{actual:>9.3f}"
+            print(f"{row}{med[key] * 1e3:>11.1f}{med[key] / base:>9.3f}" if key in med else
+                  f"{row}  failed: {failed[variant_label(key)]}")
     sel, fwd = med["selection"], med["dense fwd"]
     print(f"selection (stride {args.stride}): {sel * 1e3:.1f} ms = {sel / fwd:.3f} of dense forward "
           f"({fwd * 1e3:.1f} ms)")
@@ -191,26 +203,39 @@ def main(argv=None) -> None:
         "dense_forward_ms": fwd * 1e3,
         "dense_ms": {name.removesuffix(" fwd+bwd"): med[name] * 1e3 for name in med if "fwd+bwd" in name},
         "sparse": [{"backend": backend, "mask": kind, "density": d, "ms": med[(backend, kind, d)] * 1e3}
-                   for (kind, d) in masks for backend in backends],
+                   for (kind, d) in masks for backend in backends if (backend, kind, d) in med],
     }
     if args.count:
         figures["launches"], budgets = {}, layer_budgets(args.tau)
         for backend in backends:
             for name, budget in budgets.items():
-                launched, syncs = layer_launches(q, k, v, grad, cu_seqlens, args.block_size, args.stride, budget,
-                                                 budgets["base"], backend)
+                label = f"launches {backend} {name}"
+                counted = attempt(label, lambda: layer_launches(q, k, v, grad, cu_seqlens, args.block_size,
+                                                                args.stride, budget, budgets["base"], backend), failed)
+                if counted is None:
+                    print(f"launches per layer ({backend}, {name} budget): failed: {failed[label]}")
+                    continue
+                launched, syncs = counted
                 figures["launches"][f"{backend} {name}"] = {"kernels": launched, "host_syncs": syncs}
                 print(f"launches per layer ({backend}, {name} budget: selection, attention forward and backward): "
                       f"{launched}, host syncs: {syncs}")
     if args.profile:
-        first = (backends[0], *next(iter(masks)))  # the first sparse variant's key: backend, mask kind, density
+        first = next(key for key in times if isinstance(key, tuple))  # the first sparse variant that ran
         with torch.profiler.profile() as prof:
             variants[first]()
         print(f"where one call of {' '.join(map(str, first))} spends its time:")
         print(prof.key_averages().table(sort_by="self_device_time_total" if device.type == "cuda"
                                         else "self_cpu_time_total", row_limit=12))
+    figures["failed"] = failed
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))
+    if failed:
+        raise SystemExit(f"{len(failed)} variant(s) failed: {', '.join(failed)}")
+
+
+def variant_label(name) -> str:
+    """A variant's key as text: "dense fwd+bwd", or (backend, mask, density) as "triton selected 0.25"."""
+    return name if isinstance(name, str) else " ".join(map(str, name))
 
 
 def cudnn_dense(q, k, v, grad, cu_seqlens):
@@ -301,7 +326,7 @@ def layer_launches(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, 
             layer()
         syncs = 0
     except RuntimeError as error:  # a synchronising call raised: name it
-        syncs = f"at least one ({str(error).splitlines()[0][:80]})"
+        syncs = f"at least one ({(str(error).splitlines() or [''])[0][:80]})"
         profile = None
     finally:
         torch.cuda.set_sync_debug_mode(0)

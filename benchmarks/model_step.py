@@ -37,7 +37,7 @@ from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.errors import ConfigError
 from sparsebalance_pl.model import ModelConfig
 from sparsebalance_pl.module import SparseCausalLM
-from sparsebalance_pl.variants import attention_variant
+from sparsebalance_pl.variants import attempt, attention_variant
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -100,12 +100,18 @@ def main(argv=None) -> None:
 
     times: dict[str, list[float]] = {name: [] for name in modules}
     density: dict[str, float | None] = {}
+    failed: dict[str, str] = {}  # variant -> why it did not run
     for rep in range(args.reps + 1):  # the first round warms up (and compiles Triton kernels)
-        for name, module in modules.items():
-            seconds = step(module)
+        for name, module in list(modules.items()):
+            seconds = attempt(name, lambda: step(module), failed)
+            if seconds is None:
+                del modules[name], times[name]
+                continue
             if rep:
                 times[name].append(seconds)
             density[name] = module.sparse_attention.micro_batch.mean_density()
+    if "dense" in failed:
+        raise SystemExit(f"dense failed: {failed['dense']}")
     base = statistics.median(times["dense"])
     where = args.init or f"preset {args.preset}"
     print(f"{where}, documents {args.lengths}, {args.dtype} on {args.device}, threads {torch.get_num_threads()}, "
@@ -118,8 +124,13 @@ def main(argv=None) -> None:
         spread = statistics.pstdev(t) / statistics.fmean(t)  # how steadily this machine times one step
         print(f"{name:<20}{1.0 if d is None else d:>9.3f}{med * 1e3:>10.1f}{med / base:>9.3f}{spread:>8.3f}")
         figures[name] = {"density": 1.0 if d is None else d, "ms": med * 1e3, "of_dense": med / base}
+    for name, why in failed.items():
+        print(f"{name:<20}  failed: {why}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"lengths": args.lengths, "dtype": args.dtype, "variants": figures}))
+        Path(args.json).write_text(json.dumps({"lengths": args.lengths, "dtype": args.dtype, "variants": figures,
+                                               "failed": failed}))
+    if failed:
+        raise SystemExit(f"{len(failed)} variant(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import os
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import attention_flex
+from . import attention_flex, launches
 from .layout import TileLayout, check_attention_inputs
 
 BACKENDS = ("auto", "torch", "triton", "flex")
@@ -29,6 +29,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type == "meta" and not launches.compiling():
+        raise ValueError("backend='triton' on meta tensors only compiles, inside cross_compile.compiling_for")
     if backend == "triton" and device.type not in ("cuda", "meta") and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported")
     return backend

@@ -108,6 +108,12 @@ def _compiled(kernel, grid, args, kwargs):
     return kernel.warmup(*args, grid=grid, **kwargs)
 
 
+def compiling() -> bool:
+    """Whether ``launch`` compiles instead of running here (inside ``compiled_not_run``)."""
+    _active()
+    return _state.compiling is not None
+
+
 @contextmanager
 def compiled_not_run():
     """Inside, ``launch`` compiles each kernel through Triton's ``warmup`` instead of running it, and appends the

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
+import torch
 import yaml
 
 from sparsebalance_pl.attention import AttentionConfig
@@ -33,6 +36,20 @@ VARIANTS = {
 BASELINE = "static"
 #: The DST settings a tuning variant may set for itself in its spec.
 VARIANT_SETTINGS = ("anchor", "p", "recall_tolerance")
+
+T = TypeVar("T")
+
+
+def attempt(name: str, run: Callable[[], T], failed: dict[str, str]) -> T | None:
+    """``run()``, or None with why it failed, in one line, under ``failed[name]``: a variant that cannot run here (out
+    of memory, a kernel that does not compile for this GPU) loses its own row of a comparison, not the others'."""
+    try:
+        return run()
+    except Exception as error:  # noqa: BLE001 - any failure is reported in the variant's row
+        failed[name] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
+    if torch.cuda.is_available():  # outside the handler, whose traceback still holds the failed run's tensors
+        torch.cuda.empty_cache()
+    return None
 
 
 def parse_variant(spec: str, option: str) -> tuple[str, dict[str, int | float | bool | str]]:

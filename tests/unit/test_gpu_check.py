@@ -21,6 +21,8 @@ def test_the_smoke_run_prints_the_whole_table(tmp_path):
         assert f"{tokens}: kernels and host syncs per layer (torch tuned)" in table
         assert f"{tokens}: torch sparse at density 0.25" in table
     assert "model step [512]: sparse cap=0.25" in table
+    # A variant that cannot run costs its own row only.
+    assert "| model step [512]: flex cap=0.25 | failed: ValueError: the flex backend has no backward on the CPU" in table
     # Hopper's compiler, run here, on the kernels in the run's shapes: none may spill registers.
     compiled = [line for line in table.splitlines() if "sm_90, bf16, compiled without the GPU" in line]
     assert {"_block_mass_kernel", "_rank_kernel", "_fwd_kernel", "_dq_kernel", "_dkdv_kernel"} <= {
@@ -34,7 +36,7 @@ def test_the_smoke_run_prints_the_whole_table(tmp_path):
     assert "| CUDA tests | not run |" in again.stdout and "model step [512]: sparse cap=0.25" in again.stdout
 
 
-def test_the_summary_counts_the_densities_each_backend_is_fastest_at(tmp_path):
+def test_the_summary_counts_the_densities_each_backend_is_fastest_at_and_names_the_failures(tmp_path):
     sparse = [{"backend": "triton", "mask": "selected", "density": 0.25, "ms": 3.0},
               {"backend": "flex", "mask": "selected", "density": 0.25, "ms": 2.0},
               {"backend": "triton", "mask": "selected", "density": 1.0, "ms": 9.0},
@@ -42,6 +44,7 @@ def test_the_summary_counts_the_densities_each_backend_is_fastest_at(tmp_path):
               {"backend": "flex", "mask": "selected", "density": 0.5, "ms": 5.0}]  # timed alone: no contest
     figures = {"dense_ms": {"dense": 10.0, "cudnn": 8.0}, "selection_ms": 0.5, "dense_forward_ms": 4.0,
                "sparse": sparse}
+    figures["failed"] = {"triton selected 0.1": "OutOfMemoryError: CUDA out of memory."}
     (tmp_path / "attention_32768.json").write_text(json.dumps(figures))
     result = subprocess.run(["bash", "scripts/gpu_check.sh", "summary", str(tmp_path)], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
@@ -49,6 +52,7 @@ def test_the_summary_counts_the_densities_each_backend_is_fastest_at(tmp_path):
     row = "| 32768: fastest sparse backend, masks and densities won | flex 1/2, triton 1/2 | decides the GPU default |"
     assert row in result.stdout
     assert "| 32768: best sparse backend at density 1 / cuDNN | 1.125 | <= 1.25 |" in result.stdout
+    assert "| 32768: triton selected 0.1 | failed: OutOfMemoryError: CUDA out of memory. |" in result.stdout
 
 
 def test_an_unknown_mode_prints_the_usage():

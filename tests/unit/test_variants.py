@@ -5,7 +5,8 @@ import pytest
 
 from sparsebalance_pl.errors import ConfigError
 from sparsebalance_pl.variants import (
-    ComparisonSettings, attention_variant, merged_configs, parse_variant, run_folder, variant_config, variant_kind,
+    ComparisonSettings, attempt, attention_variant, merged_configs, parse_variant, run_folder, variant_config,
+    variant_kind,
 )
 
 
@@ -14,6 +15,19 @@ def test_a_spec_parses_numbers_and_booleans_and_keeps_the_rest_as_text():
     assert parse_variant("plain", "--x") == ("plain", {})
     with pytest.raises(ConfigError, match="--x 'v:a': 'a' is not field=value"):
         parse_variant("v:a", "--x")
+
+
+def test_a_variant_that_fails_is_named_with_its_reason_in_one_line():
+    failed = {}
+    assert attempt("fine", lambda: 3.0, failed) == 3.0
+
+    def broken():
+        raise RuntimeError("CUDA out of memory.\nTried to allocate 2 GiB")
+
+    assert attempt("broken", broken, failed) is None
+    assert failed == {"broken": "RuntimeError: CUDA out of memory."}
+    with pytest.raises(KeyboardInterrupt):  # not a variant's failure: the run stops
+        attempt("stopped", lambda: (_ for _ in ()).throw(KeyboardInterrupt()), failed)
 
 
 def test_an_attention_variant_sets_the_named_fields():

@@ -7,6 +7,7 @@ import torch
 from attention_cases import TRITON_OK
 
 from sparsebalance_pl.kernels import LayerBudget, block_sparse_attention, select_with_budget
+from sparsebalance_pl.kernels.attention import resolve_backend
 from sparsebalance_pl.kernels.attention_triton import _fwd_kernel
 from sparsebalance_pl.kernels.launches import compiled_not_run, count_launches, launch
 
@@ -37,6 +38,16 @@ def test_a_kernel_given_real_tensors_is_neither_compiled_nor_run_in_their_place(
         with pytest.raises(RuntimeError, match="_fwd_kernel: .* pass meta tensors"):
             launch(_fwd_kernel, (1,), out)
     assert compiled == [] and not out.any() and count.launches == 0
+
+
+def test_triton_on_meta_tensors_is_refused_unless_compiling():
+    q = torch.empty(64, 2, 16, device="meta")
+    cu_seqlens = torch.tensor([0, 64], dtype=torch.int32, device="meta")
+    mask = torch.ones(2, 4, 4, dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match="meta tensors only compile"):
+        block_sparse_attention(q, q, q, mask, cu_seqlens, block_size=16, backend="triton")
+    with compiled_not_run():
+        assert resolve_backend("triton", q.device) == "triton"
 
 
 def _layer(num_tokens: int, docs: int, budget: LayerBudget):
