@@ -281,7 +281,7 @@ def compile_layer(args: argparse.Namespace) -> None:
     GPU (the most any of a kernel's binaries needs: the selection compiles some kernels once per budget)."""
     from triton.backends.compiler import GPUTarget
 
-    from sparsebalance_pl.kernels.cross_compile import compiling_for, resource_usage
+    from sparsebalance_pl.kernels.cross_compile import SHARED_MEMORY_KIB, compiling_for, resource_usage
 
     meta = dict(device="meta", dtype=DTYPES[args.dtype])
     q = torch.empty(args.tokens, args.q_heads, args.head_dim, **meta, requires_grad=True)
@@ -297,15 +297,19 @@ def compile_layer(args: argparse.Namespace) -> None:
         need, before = resource_usage(binary), worst.get(binary.name, {})
         worst[binary.name] = {key: max(value, before.get(key, 0)) for key, value in need.items()}
     usage = [{"kernel": name, **need} for name, need in worst.items()]
-    print(f"one layer's Triton kernels compiled for sm_{args.compile_for}: T={args.tokens} docs={args.docs} "
-          f"Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} B={args.block_size} {args.dtype}")
-    print(f"{'kernel':<20}{'registers':>10}{'spilled B':>11}{'shared KiB':>12}")
+    limit = SHARED_MEMORY_KIB[args.compile_for]
+    print(f"one layer's Triton kernels compiled for sm_{args.compile_for} ({limit} KiB of shared memory per program): "
+          f"T={args.tokens} docs={args.docs} Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} "
+          f"B={args.block_size} {args.dtype}")
+    print(f"{'kernel':<20}{'registers':>10}{'spilled B':>11}{'shared KiB':>12}{'stages':>8}")
     for need in usage:
         shared = need["shared_bytes"] / 1024
-        print(f"{need['kernel']:<20}{need['registers']:>10}{need['stack_bytes']:>11}{shared:>12.1f}")
+        print(f"{need['kernel']:<20}{need['registers']:>10}{need['stack_bytes']:>11}{shared:>12.1f}"
+              f"{need['stages']:>8}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"arch": args.compile_for, "dtype": args.dtype, "kernels": usage},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({"arch": args.compile_for, "dtype": args.dtype,
+                                               "head_dim": args.head_dim, "shared_limit_kib": limit,
+                                               "kernels": usage}, indent=1))
 
 
 def layer_launches(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, backend) -> tuple[int, int | str]:

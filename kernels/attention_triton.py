@@ -191,7 +191,8 @@ def _dkdv_kernel(
     tl.store(DKV + T * num_heads * HEAD_DIM + part, dv, mask=kv_mask)
 
 def _launch_meta(q: torch.Tensor, layout: TileLayout) -> dict:
-    tile = min(layout.block_size, 64)
+    # 64 x 256 tiles of heads wider than 128 spill registers and outgrow every GPU's shared memory
+    tile = min(layout.block_size, 64 if q.shape[-1] <= 128 else 32)
     return dict(
         GROUP=layout.group_size,
         HEAD_DIM=q.shape[-1],
@@ -203,6 +204,7 @@ def _launch_meta(q: torch.Tensor, layout: TileLayout) -> dict:
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.dtype == torch.bfloat16 and q.device.type == "cpu",
         num_warps=4 if q.shape[-1] <= 64 else 8,  # with 4, wider heads spill registers on sm_80 and sm_90
+        num_stages=3,  # fewer where the GPU's shared memory holds fewer (launches.launch)
     )
 
 

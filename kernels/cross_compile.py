@@ -22,13 +22,23 @@ from triton.runtime import driver
 from .launches import compiled_not_run
 
 
+#: Shared memory one program may use (the opt-in maximum per thread block) in KiB, by CUDA compute capability, from
+#: the CUDA C++ Programming Guide's table of compute capabilities: what a launch on such a GPU may take.
+SHARED_MEMORY_KIB = {70: 96, 75: 64, 80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 120: 99}
+
+
 class OfflineDriver(DriverBase):
-    """Triton's view of a GPU that is not here: its target, and a device named after it (Triton keeps compiled
-    kernels per device, so that two targets in one process keep theirs apart) with stream 0."""
+    """Triton's view of a GPU that is not here: its target, a device named after it (Triton keeps compiled
+    kernels per device, so that two targets in one process keep theirs apart) with stream 0, and the properties
+    a launch reads of it (``utils.get_device_properties``, as Triton's CUDA driver has them)."""
 
     def __init__(self, target) -> None:
         super().__init__()
+        if target.arch not in SHARED_MEMORY_KIB:
+            known = ", ".join(f"sm_{arch}" for arch in SHARED_MEMORY_KIB)
+            raise ValueError(f"no shared memory figure for sm_{target.arch}; known: {known}")
         self.target = target
+        self.utils = _OfflineProperties(SHARED_MEMORY_KIB[target.arch] * 1024)
 
     @classmethod
     def is_active(cls) -> bool:
@@ -53,6 +63,14 @@ class OfflineDriver(DriverBase):
         return 0
 
 
+class _OfflineProperties:
+    def __init__(self, shared_memory: int) -> None:
+        self.shared_memory = shared_memory
+
+    def get_device_properties(self, device: int) -> dict[str, int]:
+        return {"max_shared_mem": self.shared_memory}
+
+
 @contextmanager
 def compiling_for(target):
     """Inside, every Triton kernel the work launches is compiled for ``target`` (a
@@ -75,11 +93,12 @@ def compiling_for(target):
 def resource_usage(compiled) -> dict[str, int]:
     """What a kernel from ``compiling_for`` needs of its GPU: registers and stack bytes per thread (a stack is
     registers spilled to local memory, in these kernels, which hold no arrays) and shared memory bytes per
-    program, read from its binary with the ``cuobjdump`` that Triton ships."""
+    program, read from its binary with the ``cuobjdump`` that Triton ships; and its pipeline stages."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as binary:
         binary.write(compiled.asm["cubin"])
         binary.flush()
         listing = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", binary.name], check=True,
                                  capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", listing)
-    return {"registers": int(found[1]), "stack_bytes": int(found[2]), "shared_bytes": compiled.metadata.shared}
+    return {"registers": int(found[1]), "stack_bytes": int(found[2]), "shared_bytes": compiled.metadata.shared,
+            "stages": compiled.metadata.num_stages}

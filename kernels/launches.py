@@ -81,9 +81,13 @@ def host_readable(x: torch.Tensor) -> bool:
 
 def launch(kernel, grid, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``, counted by every active ``count_launches``; compiled, not run, inside
-    ``compiled_not_run``."""
+    ``compiled_not_run``. A ``num_stages`` in ``kwargs`` is the most the launch may take (``_fitting_stages``)."""
+    import triton  # imported by the kernel already
+
     counts = _active()
     compiling = _state.compiling is not None
+    if "num_stages" in kwargs and not triton.knobs.runtime.interpret:  # the interpreter has no stages
+        kwargs["num_stages"] = _fitting_stages(kernel, grid, args, kwargs)
     if compiling:  # first: a launch refused here is not counted
         _state.compiling.append(_compiled(kernel, grid, args, kwargs))
     for count in counts:
@@ -95,6 +99,29 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
     finally:
         _state.paused -= 1
+
+
+_fitted_stages: dict = {}  # (kernel, target, launch options, dtypes) -> the stages that fit
+
+
+def _fitting_stages(kernel, grid, args, kwargs) -> int:
+    """The most pipeline stages, up to the launch's ``num_stages``, whose binary fits in the shared memory one
+    program may use on the GPU Triton targets: every stage holds one more set of tiles there, and three stages of
+    wide heads need more than GPUs such as sm_86 and sm_89 have. Found once per kernel, target and launch options
+    by compiling the kernel (Triton's ``warmup``), not by running it."""
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    key = (kernel, target, tuple(sorted(kwargs.items())),
+           tuple(x.dtype for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)))
+    if key not in _fitted_stages:
+        device = next(x.device for x in args if isinstance(x, torch.Tensor))
+        limit = driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"]
+        stages = kwargs["num_stages"]
+        while stages > 1 and kernel.warmup(*args, grid=grid, **{**kwargs, "num_stages": stages}).metadata.shared > limit:
+            stages -= 1
+        _fitted_stages[key] = stages
+    return _fitted_stages[key]
 
 
 def _kernel_name(kernel) -> str:

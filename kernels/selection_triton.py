@@ -116,6 +116,7 @@ def estimate_block_mass(
         # tensor cores wherever the kernel is compiled (CPU tensors run only under the interpreter)
         NATIVE=q.device.type != "cpu" and q.dtype in (torch.float16, torch.bfloat16),
         num_warps=4 if head_dim <= 64 else 8,  # with 4, wider heads spill registers on sm_80
+        num_stages=3,  # fewer where the GPU's shared memory holds fewer (launches.launch)
     )
     return mass
 

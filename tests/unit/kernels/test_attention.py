@@ -32,8 +32,8 @@ def test_matches_reference_fp32(backend, q_heads, kv_heads, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16)])
-def test_head_dims_64_and_128(backend, head_dim, block_size):
+@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16), (256, 64)])  # 256: two 32-row tiles a block
+def test_head_dims_64_128_and_256(backend, head_dim, block_size):
     case = packed_case(11, 80, 2, 1, head_dim, block_size, device=device_for(backend))
     check_against_reference(backend, *case, block_size=block_size)
 
