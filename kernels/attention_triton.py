@@ -190,9 +190,17 @@ def _dkdv_kernel(
     tl.store(DKV + part, dk * scale, mask=kv_mask)
     tl.store(DKV + T * num_heads * HEAD_DIM + part, dv, mask=kv_mask)
 
+
+def tile_rows(head_dim: int, dtype: torch.dtype) -> int:
+    """Rows of the q, k or v tiles a program loads (a power of two, 16 to 64): as many as 16 KiB hold (64 rows of
+    128 half-precision values), since larger tiles (wider heads, fp32) spill registers and outgrow the shared
+    memory of GPUs."""
+    return max(16, min(64, 16 * 1024 // (max(16, triton.next_power_of_2(head_dim)) * dtype.itemsize)))
+
+
 def _launch_meta(q: torch.Tensor, layout: TileLayout) -> dict:
-    # 64 x 256 tiles of heads wider than 128 spill registers and outgrow every GPU's shared memory
-    tile = min(layout.block_size, 64 if q.shape[-1] <= 128 else 32)
+    # fp32's exact products spill registers beyond 16 rows here
+    tile = min(layout.block_size, 16 if q.dtype == torch.float32 else tile_rows(q.shape[-1], q.dtype))
     return dict(
         GROUP=layout.group_size,
         HEAD_DIM=q.shape[-1],
