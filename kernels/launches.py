@@ -117,9 +117,13 @@ def _fitting_stages(kernel, grid, args, kwargs) -> int:
     if key not in _fitted_stages:
         device = next(x.device for x in args if isinstance(x, torch.Tensor))
         limit = driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"]
-        stages = kwargs["num_stages"]
-        while stages > 1 and kernel.warmup(*args, grid=grid, **{**kwargs, "num_stages": stages}).metadata.shared > limit:
-            stages -= 1
+        for stages in range(kwargs["num_stages"], 0, -1):
+            need = kernel.warmup(*args, grid=grid, **{**kwargs, "num_stages": stages}).metadata.shared
+            if need <= limit:
+                break
+        else:
+            raise RuntimeError(f"{_kernel_name(kernel)} needs {need / 1024:.1f} KiB of shared memory per program, "
+                               f"more than the {limit / 1024:.0f} KiB this GPU gives one: use the flex kernel backend")
         _fitted_stages[key] = stages
     return _fitted_stages[key]
 

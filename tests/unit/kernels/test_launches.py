@@ -2,13 +2,17 @@
 and attention, forward and backward, on the Triton path (the interpreter's on the CPU) reads nothing back from
 the device, and launches at most 40 kernels, as many whatever the number of documents and the stream's length."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from attention_cases import TRITON_OK
+from triton.backends.compiler import GPUTarget
 
 from sparsebalance_pl.kernels import LayerBudget, block_sparse_attention, select_with_budget
 from sparsebalance_pl.kernels.attention import resolve_backend
 from sparsebalance_pl.kernels.attention_triton import _fwd_kernel
+from sparsebalance_pl.kernels.cross_compile import compiling_for
 from sparsebalance_pl.kernels.launches import compiled_not_run, count_launches, launch
 
 
@@ -48,6 +52,31 @@ def test_triton_on_meta_tensors_is_refused_unless_compiling():
         block_sparse_attention(q, q, q, mask, cu_seqlens, block_size=16, backend="triton")
     with compiled_not_run():
         assert resolve_backend("triton", q.device) == "triton"
+
+
+class KernelNeeding:
+    """Stands in for a Triton kernel whose binary needs ``shared[stages]`` bytes of shared memory."""
+
+    def __init__(self, shared: dict[int, int]) -> None:
+        self.shared, self.compiled = shared, []
+
+    def warmup(self, *args, grid, num_stages, **kwargs):
+        self.compiled.append(num_stages)
+        return SimpleNamespace(metadata=SimpleNamespace(shared=self.shared[num_stages]))
+
+
+def test_a_launch_takes_the_most_stages_that_fit_the_gpus_shared_memory(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.empty(4, device="meta")
+    kib = 1024
+    with compiling_for(GPUTarget("cuda", 86, 32)) as compiled:  # 99 KiB a program
+        fitting = KernelNeeding({3: 105 * kib, 2: 72 * kib, 1: 40 * kib})
+        for _ in range(2):
+            launch(fitting, (1,), x, BLOCK=64, num_stages=3)
+        assert fitting.compiled == [3, 2, 2, 2]  # found once, then only the launches' own compilations
+        assert len(compiled) == 2
+        with pytest.raises(RuntimeError, match="needs 100.0 KiB of shared memory per program, more than the 99 KiB"):
+            launch(KernelNeeding({2: 120 * kib, 1: 100 * kib}), (1,), x, num_stages=2)
 
 
 def _layer(num_tokens: int, docs: int, budget: LayerBudget):
