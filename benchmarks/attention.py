@@ -40,7 +40,7 @@ from sparsebalance_pl.kernels import LayerBudget, attention_recall, block_sparse
 from sparsebalance_pl.kernels import select_with_budget
 from sparsebalance_pl.kernels.launches import count_launches
 from sparsebalance_pl.kernels.layout import candidate_tiles, forced_tiles, token_doc_ids
-from sparsebalance_pl.variants import attempt
+from sparsebalance_pl.variants import attempt, one_line
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MASKS = ("selected", "scattered")
@@ -156,18 +156,19 @@ def main(argv=None) -> None:
             variants[(backend, *key)] = sparse(mask, backend)
     failed: dict[str, str] = {}  # variant label -> why it did not run
     for name, fn in variants.items():  # warm-up (and Triton compilation)
-        attempt(variant_label(name), lambda: timed(fn, device), failed)
+        attempt(variant_label(name), failed, timed, fn, device)
+    if missing := [name for name in ("dense fwd+bwd", "dense fwd", "selection") if name in failed]:
+        if args.json:  # what every ratio needs did not run: only the reasons are left to keep
+            Path(args.json).write_text(json.dumps({"tokens": args.tokens, "failed": failed}, indent=1))
+        raise SystemExit(f"{missing[0]} failed: {failed[missing[0]]}")
     times = {name: [] for name in variants if variant_label(name) not in failed}
     for _ in range(args.reps):
         for name in list(times):
-            seconds = attempt(variant_label(name), lambda: timed(variants[name], device), failed)
+            seconds = attempt(variant_label(name), failed, timed, variants[name], device)
             if seconds is None:
                 del times[name]
             else:
                 times[name].append(seconds)
-    for name in ("dense fwd+bwd", "dense fwd", "selection"):  # what every ratio needs
-        if name in failed:
-            raise SystemExit(f"{name} failed: {failed[name]}")
     med = {name: statistics.median(t) for name, t in times.items()}
 
     mask, stats = select(args.tau)
@@ -210,8 +211,8 @@ def main(argv=None) -> None:
         for backend in backends:
             for name, budget in budgets.items():
                 label = f"launches {backend} {name}"
-                counted = attempt(label, lambda: layer_launches(q, k, v, grad, cu_seqlens, args.block_size,
-                                                                args.stride, budget, budgets["base"], backend), failed)
+                counted = attempt(label, failed, layer_launches, q, k, v, grad, cu_seqlens, args.block_size,
+                                  args.stride, budget, budgets["base"], backend)
                 if counted is None:
                     print(f"launches per layer ({backend}, {name} budget): failed: {failed[label]}")
                     continue
@@ -219,8 +220,8 @@ def main(argv=None) -> None:
                 figures["launches"][f"{backend} {name}"] = {"kernels": launched, "host_syncs": syncs}
                 print(f"launches per layer ({backend}, {name} budget: selection, attention forward and backward): "
                       f"{launched}, host syncs: {syncs}")
-    if args.profile:
-        first = next(key for key in times if isinstance(key, tuple))  # the first sparse variant that ran
+    first = next((key for key in times if isinstance(key, tuple)), None)  # the first sparse variant that ran
+    if args.profile and first is not None:
         with torch.profiler.profile() as prof:
             variants[first]()
         print(f"where one call of {' '.join(map(str, first))} spends its time:")
@@ -330,7 +331,7 @@ def layer_launches(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, 
             layer()
         syncs = 0
     except RuntimeError as error:  # a synchronising call raised: name it
-        syncs = f"at least one ({(str(error).splitlines() or [''])[0][:80]})"
+        syncs = f"at least one ({one_line(error)})"
         profile = None
     finally:
         torch.cuda.set_sync_debug_mode(0)

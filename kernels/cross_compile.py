@@ -24,7 +24,8 @@ from .launches import compiled_not_run
 
 #: Shared memory one program may use (the opt-in maximum per thread block) in KiB, by CUDA compute capability, from
 #: the CUDA C++ Programming Guide's table of compute capabilities: what a launch on such a GPU may take.
-SHARED_MEMORY_KIB = {70: 96, 75: 64, 80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 120: 99}
+SHARED_MEMORY_KIB = {70: 96, 72: 96, 75: 64, 80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 103: 227, 110: 227,
+                     120: 99, 121: 99}
 
 
 class OfflineDriver(DriverBase):

@@ -85,14 +85,17 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     import triton  # imported by the kernel already
 
     counts = _active()
-    compiling = _state.compiling is not None
+    compile_only = _state.compiling is not None
+    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+    if compile_only and any(x.device.type != "meta" for x in tensors):
+        raise RuntimeError(f"{_kernel_name(kernel)}: kernels are compiled here, not run: pass meta tensors")
     if "num_stages" in kwargs and not triton.knobs.runtime.interpret:  # the interpreter has no stages
         kwargs["num_stages"] = _fitting_stages(kernel, grid, args, kwargs)
-    if compiling:  # first: a launch refused here is not counted
-        _state.compiling.append(_compiled(kernel, grid, args, kwargs))
+    if compile_only:  # first: a launch that fails to compile is not counted
+        _state.compiling.append(kernel.warmup(*args, grid=grid, **kwargs))
     for count in counts:
         count.triton[_kernel_name(kernel)] += 1
-    if compiling:
+    if compile_only:
         return
     _state.paused += 1
     try:
@@ -101,42 +104,36 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         _state.paused -= 1
 
 
-_fitted_stages: dict = {}  # (kernel, target, launch options, dtypes) -> the stages that fit
+# (kernel, device, launch options, dtypes) -> the stages that fit. Triton specialises a binary further on its
+# arguments (aligned pointers, integers divisible by 16), which leaves its tiles and so its shared memory as they are.
+_fitted_stages: dict = {}
 
 
 def _fitting_stages(kernel, grid, args, kwargs) -> int:
     """The most pipeline stages, up to the launch's ``num_stages``, whose binary fits in the shared memory one
-    program may use on the GPU Triton targets: every stage holds one more set of tiles there, and three stages of
-    wide heads need more than GPUs such as sm_86 and sm_89 have. Found once per kernel, target and launch options
-    by compiling the kernel (Triton's ``warmup``), not by running it."""
+    program may use on the GPU Triton compiles for: every stage holds one more set of tiles there, and three stages
+    of wide heads need more than GPUs such as sm_86 and sm_89 have. Found once per kernel, device and launch
+    options by compiling the kernel (Triton's ``warmup``), not by running it; Triton checks the same limit."""
     from triton.runtime import driver
 
-    target = driver.active.get_current_target()
-    key = (kernel, target, tuple(sorted(kwargs.items())),
-           tuple(x.dtype for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)))
+    device = driver.active.get_current_device()
+    key = (kernel, device, tuple(kwargs.items()), tuple(x.dtype for x in args if isinstance(x, torch.Tensor)))
     if key not in _fitted_stages:
-        device = next(x.device for x in args if isinstance(x, torch.Tensor))
-        limit = driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"]
+        limit = driver.active.utils.get_device_properties(device)["max_shared_mem"]
         for stages in range(kwargs["num_stages"], 0, -1):
             need = kernel.warmup(*args, grid=grid, **{**kwargs, "num_stages": stages}).metadata.shared
             if need <= limit:
                 break
         else:
             raise RuntimeError(f"{_kernel_name(kernel)} needs {need / 1024:.1f} KiB of shared memory per program, "
-                               f"more than the {limit / 1024:.0f} KiB this GPU gives one: use the flex kernel backend")
+                               f"more than the {limit / 1024:.0f} KiB this GPU gives one: use the flex or torch "
+                               "kernel backend")
         _fitted_stages[key] = stages
     return _fitted_stages[key]
 
 
 def _kernel_name(kernel) -> str:
     return kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)
-
-
-def _compiled(kernel, grid, args, kwargs):
-    """``kernel`` compiled by Triton's ``warmup`` for the launch ``kernel[grid](*args, **kwargs)``, not run."""
-    if any(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in (*args, *kwargs.values())):
-        raise RuntimeError(f"{_kernel_name(kernel)}: kernels are compiled here, not run: pass meta tensors")
-    return kernel.warmup(*args, grid=grid, **kwargs)
 
 
 def compiling() -> bool:

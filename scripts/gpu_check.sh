@@ -43,6 +43,10 @@ row("CUDA tests", lines[-1] if lines else "not run")
 attention = {int(re.search(r"_(\d+)\.json", p.name).group(1)): json.loads(p.read_text())
              for p in out.glob("attention_*.json")}
 for tokens, fig in sorted(attention.items()):
+    for variant, why in fig.get("failed", {}).items():
+        row(f"{tokens}: {variant}", f"failed: {why}")
+    if "dense_ms" not in fig:  # dense attention or the selection failed: nothing to compare with
+        continue
     dense = fig["dense_ms"]
     base = dense.get("cudnn", dense["dense"])
     row(f"{tokens} tokens: dense fwd+bwd, ms", ", ".join(f"{k} {v:.2f}" for k, v in dense.items()))
@@ -70,18 +74,17 @@ for tokens, fig in sorted(attention.items()):
     for variant, count in fig.get("launches", {}).items():
         row(f"{tokens}: kernels and host syncs per layer ({variant})", f"{count['kernels']}, {count['host_syncs']}",
             "<= 40, 0")
-    for variant, why in fig.get("failed", {}).items():
-        row(f"{tokens}: {variant}", f"failed: {why}")
 for path in sorted(out.glob("compiled_sm*.json")):
     fig = json.loads(path.read_text())
     for need in fig["kernels"]:
-        row(f"sm_{fig['arch']}, {fig['dtype']}, head dim {fig['head_dim']}, compiled without the GPU: {need['kernel']}",
-            f"{need['registers']} registers, {need['stack_bytes']} B spilled, {need['shared_bytes'] / 1024:.1f} KiB "
-            f"shared, {need['stages']} stages", f"0 B spilled, <= {fig['shared_limit_kib']} KiB shared")
+        row(f"sm_{fig['arch']}, {fig['dtype']}, head dim {fig.get('head_dim', 64)}, compiled without the GPU: "
+            f"{need['kernel']}", f"{need['registers']} registers, {need['stack_bytes']} B spilled, "
+            f"{need['shared_bytes'] / 1024:.1f} KiB shared, {need.get('stages', '?')} stages",
+            f"0 B spilled, <= {fig.get('shared_limit_kib', '?')} KiB shared")
 step = out / "model_step.json"
 if step.exists():
     fig = json.loads(step.read_text())
-    for name, v in fig["variants"].items():
+    for name, v in fig.get("variants", {}).items():
         row(f"model step {fig['lengths']}: {name}, ms (of dense)", f"{v['ms']:.1f} ({v['of_dense']:.3f}, "
             f"density {v['density']:.3f})", "<= 0.55 at density 0.25" if "0.25" in name else "")
     for name, why in fig.get("failed", {}).items():
@@ -115,8 +118,8 @@ smoke)
     read -r arch head_dim <<<"$target"
     stamp "compiling the Triton kernels for sm_$arch at head dim $head_dim"
     env -u TRITON_INTERPRET timeout 120 python3 benchmarks/attention.py --compile-for "$arch" --dtype bf16 \
-      "${gpu_heads[@]}" --head-dim "$head_dim" --json "$OUT/compiled_sm$arch.json" 2>&1 | tee "$OUT/compiled_sm$arch.log" \
-      | tail -8
+      "${gpu_heads[@]}" --head-dim "$head_dim" --json "$OUT/compiled_sm$arch.json" 2>&1 \
+      | tee "$OUT/compiled_sm$arch.log" | tail -8
   done
   ;;
 summary)
@@ -145,7 +148,8 @@ attention 0 80
 attention 1 90
 stamp "model step"
 timeout 130 python3 benchmarks/model_step.py "${model[@]}" --dtype "$dtype" --device "$device" --taus 0.9 \
-  --max-densities 0.25 --attention "flex cap=0.25:kernel_backend=flex,tau=1.0,max_density=0.25" --json "$OUT/model_step.json" 2>&1 | tee "$OUT/model_step.log" | tail -8
+  --max-densities 0.25 --attention "flex cap=0.25:kernel_backend=flex,tau=1.0,max_density=0.25" \
+  --json "$OUT/model_step.json" 2>&1 | tee "$OUT/model_step.log" | tail -8
 stamp "CUDA tests"
 timeout 90 python3 -m pytest -q "${tests[@]}" -p no:cacheprovider tests/unit/kernels tests/unit/test_cuda.py 2>&1 \
   | tee "$OUT/cuda_tests.log" | tail -12

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,16 +41,26 @@ VARIANT_SETTINGS = ("anchor", "p", "recall_tolerance")
 T = TypeVar("T")
 
 
-def attempt(name: str, run: Callable[[], T], failed: dict[str, str]) -> T | None:
-    """``run()``, or None with why it failed, in one line, under ``failed[name]``: a variant that cannot run here (out
-    of memory, a kernel that does not compile for this GPU) loses its own row of a comparison, not the others'."""
+def attempt(name: str, failed: dict[str, str], run: Callable[..., T], *args) -> T | None:
+    """``run(*args)``, or None with why it failed under ``failed[name]`` (``one_line``; the traceback goes to
+    stderr): a variant that cannot run here (out of memory, a kernel that does not compile for this GPU) loses its
+    own row of a comparison, not the others'. An error of the device itself, which may leave it unusable for
+    every later variant, ends the comparison."""
     try:
-        return run()
-    except Exception as error:  # noqa: BLE001 - any failure is reported in the variant's row
-        failed[name] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
+        return run(*args)
+    except torch.AcceleratorError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any other failure is reported in the variant's row
+        failed[name] = one_line(error)
+        traceback.print_exc()
     if torch.cuda.is_available():  # outside the handler, whose traceback still holds the failed run's tensors
         torch.cuda.empty_cache()
     return None
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one short line for a table: its type and the first line of its message."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
 
 
 def parse_variant(spec: str, option: str) -> tuple[str, dict[str, int | float | bool | str]]:

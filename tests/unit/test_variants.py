@@ -2,6 +2,7 @@
 settings of a tuning variant, and the settings a comparison checks before anything runs."""
 
 import pytest
+import torch
 
 from sparsebalance_pl.errors import ConfigError
 from sparsebalance_pl.variants import (
@@ -19,15 +20,17 @@ def test_a_spec_parses_numbers_and_booleans_and_keeps_the_rest_as_text():
 
 def test_a_variant_that_fails_is_named_with_its_reason_in_one_line():
     failed = {}
-    assert attempt("fine", lambda: 3.0, failed) == 3.0
+    assert attempt("fine", failed, pow, 2, 3) == 8
 
-    def broken():
-        raise RuntimeError("CUDA out of memory.\nTried to allocate 2 GiB")
+    def raising(error: BaseException):
+        raise error
 
-    assert attempt("broken", broken, failed) is None
+    assert attempt("broken", failed, raising, RuntimeError("CUDA out of memory.\nTried to allocate 2 GiB")) is None
     assert failed == {"broken": "RuntimeError: CUDA out of memory."}
-    with pytest.raises(KeyboardInterrupt):  # not a variant's failure: the run stops
-        attempt("stopped", lambda: (_ for _ in ()).throw(KeyboardInterrupt()), failed)
+    for stop in KeyboardInterrupt(), torch.AcceleratorError("an illegal memory access"):  # no variant's own failure
+        with pytest.raises(type(stop)):
+            attempt("stopped", failed, raising, stop)
+    assert list(failed) == ["broken"]
 
 
 def test_an_attention_variant_sets_the_named_fields():

@@ -32,7 +32,7 @@ def test_matches_reference_fp32(backend, q_heads, kv_heads, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16), (256, 64)])  # 256: two 32-row tiles a block
+@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16), (256, 64)])  # 256: four 16-row fp32 tiles a block
 def test_head_dims_64_128_and_256(backend, head_dim, block_size):
     case = packed_case(11, 80, 2, 1, head_dim, block_size, device=device_for(backend))
     check_against_reference(backend, *case, block_size=block_size)
@@ -101,11 +101,12 @@ def test_empty_mask_gives_zero_output_and_gradients(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_inputs(backend, dtype):
-    q, k, v, mask, cu = packed_case(7, 64, 4, 2, 16, 16, device=device_for(backend))
+@pytest.mark.parametrize("num_tokens,head_dim,block_size", [(64, 16, 16), (160, 256, 64)])  # 256: 32-row tiles
+def test_half_precision_inputs(backend, dtype, num_tokens, head_dim, block_size):
+    q, k, v, mask, cu = packed_case(7, num_tokens, 4, 2, head_dim, block_size, device=device_for(backend))
     q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
-    out = block_sparse_attention(q, k, v, mask, cu, block_size=16, backend=backend)
-    ref = reference_block_sparse_attention(q, k, v, mask, cu, block_size=16)
+    out = block_sparse_attention(q, k, v, mask, cu, block_size=block_size, backend=backend)
+    ref = reference_block_sparse_attention(q, k, v, mask, cu, block_size=block_size)
     assert out.dtype == dtype
     assert relative_error(out, ref) <= 2e-2
     out.float().sum().backward()

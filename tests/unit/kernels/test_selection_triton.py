@@ -17,15 +17,17 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize(
-    "q_heads,kv_heads,block_size,stride,num_tokens",
-    [(2, 2, 16, 4, 101), (4, 2, 16, 8, 101), (7, 1, 32, 16, 101), (2, 1, 16, 4, 700)],  # 700: several programs
+    "q_heads,kv_heads,block_size,stride,num_tokens,head_dim",
+    # 700: several programs; head dim 128: 32-row fp32 tiles
+    [(2, 2, 16, 4, 101, 16), (4, 2, 16, 8, 101, 16), (7, 1, 32, 16, 101, 16), (2, 1, 16, 4, 700, 16),
+     (2, 1, 16, 4, 300, 128)],
 )
-def test_triton_scoring_matches_torch(q_heads, kv_heads, block_size, stride, num_tokens):
+def test_triton_scoring_matches_torch(q_heads, kv_heads, block_size, stride, num_tokens, head_dim):
     from sparsebalance_pl.kernels.selection_triton import estimate_block_mass as estimate_triton
 
     gen = torch.Generator().manual_seed(q_heads)
-    q = torch.randn(num_tokens, q_heads, 16, generator=gen)
-    k = torch.randn(num_tokens, kv_heads, 16, generator=gen)
+    q = torch.randn(num_tokens, q_heads, head_dim, generator=gen)
+    k = torch.randn(num_tokens, kv_heads, head_dim, generator=gen)
     cu = torch.tensor([0, 30, 33, num_tokens], dtype=torch.int32)
     q, k, cu = q.to(DEVICE), k.to(DEVICE), cu.to(DEVICE)
     doc = token_doc_ids(cu, num_tokens)
@@ -44,13 +46,14 @@ def test_select_blocks_triton_backend_matches_torch():
     assert torch.equal(triton_mask, select_blocks(q, k, cu, backend="torch", **kwargs))
 
 
-def test_half_precision_scoring_matches_torch():
+@pytest.mark.parametrize("head_dim", [64, 256])  # 256: 32-row tiles
+def test_half_precision_scoring_matches_torch(head_dim):
     """bf16 inputs (tensor-core products on CUDA) give the fp32 scoring of the same values."""
     from sparsebalance_pl.kernels.selection_triton import estimate_block_mass as estimate_triton
 
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(300, 4, 64, generator=gen).to(DEVICE, torch.bfloat16)
-    k = torch.randn(300, 2, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    q = torch.randn(300, 4, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    k = torch.randn(300, 2, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
     doc = token_doc_ids(torch.tensor([0, 120, 300], dtype=torch.int32, device=DEVICE), 300)
     want = estimate_block_mass(q, k, doc, 32, 8, 0.125)
     got = estimate_triton(q, k, doc, 32, 8, 0.125)
