@@ -16,5 +16,5 @@ def test_compiling_for_a_gpu_needs_the_compiler_not_the_interpreter(monkeypatch)
 
 def test_a_target_without_a_shared_memory_figure_is_refused():
     assert OfflineDriver(GPUTarget("cuda", 86, 32)).utils.get_device_properties(0) == {"max_shared_mem": 99 * 1024}
-    with pytest.raises(ValueError, match="no shared memory figure for sm_61; known: sm_70, sm_75, sm_80"):
+    with pytest.raises(ValueError, match="no shared memory figure for sm_61; known: sm_70, sm_72, sm_75, sm_80"):
         OfflineDriver(GPUTarget("cuda", 61, 32))
