@@ -86,8 +86,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
 
     counts = _active()
     compile_only = _state.compiling is not None
-    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-    if compile_only and any(x.device.type != "meta" for x in tensors):
+    if compile_only and any(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in args):
         raise RuntimeError(f"{_kernel_name(kernel)}: kernels are compiled here, not run: pass meta tensors")
     if "num_stages" in kwargs and not triton.knobs.runtime.interpret:  # the interpreter has no stages
         kwargs["num_stages"] = _fitting_stages(kernel, grid, args, kwargs)
