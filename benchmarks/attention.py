@@ -220,8 +220,8 @@ def main(argv=None) -> None:
                 figures["launches"][f"{backend} {name}"] = {"kernels": launched, "host_syncs": syncs}
                 print(f"launches per layer ({backend}, {name} budget: selection, attention forward and backward): "
                       f"{launched}, host syncs: {syncs}")
-    first = next((key for key in times if isinstance(key, tuple)), None)  # the first sparse variant that ran
-    if args.profile and first is not None:
+    # the first sparse variant that ran
+    if args.profile and (first := next((key for key in times if isinstance(key, tuple)), None)) is not None:
         with torch.profiler.profile() as prof:
             variants[first]()
         print(f"where one call of {' '.join(map(str, first))} spends its time:")

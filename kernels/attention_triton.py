@@ -191,11 +191,17 @@ def _dkdv_kernel(
     tl.store(DKV + T * num_heads * HEAD_DIM + part, dv, mask=kv_mask)
 
 
+def tile_columns(head_dim: int) -> int:
+    """Columns of the q, k and v tiles: the head dimension padded to a power of two, at least 16 (``tl.dot``'s
+    least)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def tile_rows(head_dim: int, dtype: torch.dtype) -> int:
     """Rows of the q, k or v tiles a program loads (a power of two, 16 to 64): as many as 16 KiB hold (64 rows of
     128 half-precision values), since larger tiles (wider heads, fp32) spill registers and outgrow the shared
     memory of GPUs."""
-    return max(16, min(64, 16 * 1024 // (max(16, triton.next_power_of_2(head_dim)) * dtype.itemsize)))
+    return max(16, min(64, 16 * 1024 // (tile_columns(head_dim) * dtype.itemsize)))
 
 
 def _launch_meta(q: torch.Tensor, layout: TileLayout) -> dict:
@@ -207,7 +213,7 @@ def _launch_meta(q: torch.Tensor, layout: TileLayout) -> dict:
         BLOCK=layout.block_size,
         BLOCK_M=tile,
         BLOCK_N=tile,
-        BLOCK_D=max(16, triton.next_power_of_2(q.shape[-1])),
+        BLOCK_D=tile_columns(q.shape[-1]),
         # fp32 inputs keep full precision (no TF32) so results match the reference to 1e-5.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.dtype == torch.bfloat16 and q.device.type == "cpu",

@@ -103,8 +103,9 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         _state.paused -= 1
 
 
-# (kernel, device, launch options, dtypes) -> the stages that fit. Triton specialises a binary further on its
-# arguments (aligned pointers, integers divisible by 16), which leaves its tiles and so its shared memory as they are.
+# (kernel, device, launch options, first argument's dtype) -> the stages that fit. The kernels take the inputs
+# their tiles hold first, so that dtype and the options fix the tiles; Triton's further specialisation on the
+# arguments (aligned pointers, integers divisible by 16) leaves the tiles, and so the shared memory, as they are.
 _fitted_stages: dict = {}
 
 
@@ -116,7 +117,7 @@ def _fitting_stages(kernel, grid, args, kwargs) -> int:
     from triton.runtime import driver
 
     device = driver.active.get_current_device()
-    key = (kernel, device, tuple(kwargs.items()), tuple(x.dtype for x in args if isinstance(x, torch.Tensor)))
+    key = (kernel, device, tuple(kwargs.items()), args[0].dtype)  # on every launch: kept cheap
     if key not in _fitted_stages:
         limit = driver.active.utils.get_device_properties(device)["max_shared_mem"]
         for stages in range(kwargs["num_stages"], 0, -1):

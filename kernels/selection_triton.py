@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import tile_rows
+from .attention_triton import tile_columns, tile_rows
 from .launches import launch
 from .layout import check_window, num_blocks
 
@@ -113,7 +113,7 @@ def estimate_block_mass(
         scale / stride * _LOG2E, num_tokens, num_groups, nb,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         GROUP=num_q_heads // k.shape[1], STRIDE=stride, PER_BLOCK=per_block, HEAD_DIM=head_dim,
-        BLOCK_R=block_r, BLOCK_C=block_r, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_R=block_r, BLOCK_C=block_r, BLOCK_D=tile_columns(head_dim),
         # tensor cores wherever the kernel is compiled (CPU tensors run only under the interpreter)
         NATIVE=q.device.type != "cpu" and q.dtype in (torch.float16, torch.bfloat16),
         num_warps=4 if head_dim <= 64 else 8,  # with 4, wider heads spill registers on sm_80

@@ -77,10 +77,10 @@ for tokens, fig in sorted(attention.items()):
 for path in sorted(out.glob("compiled_sm*.json")):
     fig = json.loads(path.read_text())
     for need in fig["kernels"]:
-        row(f"sm_{fig['arch']}, {fig['dtype']}, head dim {fig.get('head_dim', 64)}, compiled without the GPU: "
+        row(f"sm_{fig['arch']}, {fig['dtype']}, head dim {fig['head_dim']}, compiled without the GPU: "
             f"{need['kernel']}", f"{need['registers']} registers, {need['stack_bytes']} B spilled, "
-            f"{need['shared_bytes'] / 1024:.1f} KiB shared, {need.get('stages', '?')} stages",
-            f"0 B spilled, <= {fig.get('shared_limit_kib', '?')} KiB shared")
+            f"{need['shared_bytes'] / 1024:.1f} KiB shared, {need['stages']} stages",
+            f"0 B spilled, <= {fig['shared_limit_kib']} KiB shared")
 step = out / "model_step.json"
 if step.exists():
     fig = json.loads(step.read_text())
