@@ -14,10 +14,13 @@ cuDNN (on K/V repeated to the query heads, outside the timing) and FlexAttention
 
 ``--profile`` adds ``torch.profiler``'s table of one call of the first sparse variant, busiest ops first.
 ``--count`` adds what one layer asks of the device, selection plus attention forward and backward, per sparse
-backend: kernels launched and host synchronisations. On CUDA the profiler counts the kernels and
-``torch.cuda.set_sync_debug_mode("error")`` catches any synchronisation; on the CPU ``kernels.launches`` counts
-aten ops and Triton launches (the Triton path under ``TRITON_INTERPRET=1``) and host reads, its tensors standing
-in for device ones (``count_launches(as_device=True)``).
+backend: kernels launched, host synchronisations, and the host's time per layer. On CUDA the profiler counts the
+kernels, ``torch.cuda.set_sync_debug_mode("error")`` catches any synchronisation and the host time is the time
+to queue the layer's work, not waiting for it; on the CPU ``kernels.launches`` counts aten ops and Triton launches
+(the Triton path under ``TRITON_INTERPRET=1``) and host reads, its tensors standing in for device ones
+(``count_launches(as_device=True)``), and times the layer without its Triton kernels (``host_side_only``; at a
+small ``--tokens``, so that the aten ops left compute next to nothing). Where the kernels are short, the host's
+time is the layer's.
 
     python benchmarks/attention.py            # 8192 tokens, 8/2 heads, d 64, block 64
     python benchmarks/attention.py --quick    # small and fast
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 
 from sparsebalance_pl.kernels import LayerBudget, attention_recall, block_sparse_attention, select_blocks
 from sparsebalance_pl.kernels import select_with_budget
-from sparsebalance_pl.kernels.launches import count_launches
+from sparsebalance_pl.kernels.launches import count_launches, host_side_only
 from sparsebalance_pl.kernels.layout import candidate_tiles, forced_tiles, token_doc_ids
 from sparsebalance_pl.variants import attempt, one_line
 
@@ -216,10 +219,12 @@ def main(argv=None) -> None:
                 if counted is None:
                     print(f"launches per layer ({backend}, {name} budget): failed: {failed[label]}")
                     continue
-                launched, syncs = counted
-                figures["launches"][f"{backend} {name}"] = {"kernels": launched, "host_syncs": syncs}
+                launched, syncs, host_ms = counted
+                figures["launches"][f"{backend} {name}"] = {"kernels": launched, "host_syncs": syncs,
+                                                            "host_ms": host_ms}
+                host = "" if host_ms is None else f", host time: {host_ms:.3f} ms"
                 print(f"launches per layer ({backend}, {name} budget: selection, attention forward and backward): "
-                      f"{launched}, host syncs: {syncs}")
+                      f"{launched}, host syncs: {syncs}{host}")
     # the first sparse variant that ran
     if args.profile and (first := next((key for key in times if isinstance(key, tuple)), None)) is not None:
         with torch.profiler.profile() as prof:
@@ -313,8 +318,9 @@ def compile_layer(args: argparse.Namespace) -> None:
                                                "kernels": usage}, indent=1))
 
 
-def layer_launches(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, backend) -> tuple[int, int | str]:
-    """(kernels launched, host synchronisations) of ``run_layer``."""
+def layer_launches(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, backend):
+    """(kernels launched, host synchronisations, the host's median ms) of ``run_layer``; no host time for the torch
+    backend on the CPU, whose kernels are the host's own work."""
 
     def layer():
         run_layer(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, backend)
@@ -322,7 +328,10 @@ def layer_launches(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, 
     if q.device.type != "cuda":
         with count_launches(as_device=True) as count:
             layer()
-        return count.launches, count.host_syncs
+        if backend != "triton":
+            return count.launches, count.host_syncs, None
+        with host_side_only():
+            return count.launches, count.host_syncs, host_ms(layer, q.device)
     layer()  # compiled and cached before counting
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -339,7 +348,22 @@ def layer_launches(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, 
     kernels = -1 if profile is None else sum(
         1 for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
     )
-    return kernels, syncs
+    return kernels, syncs, host_ms(layer, q.device)
+
+
+def host_ms(layer, device: torch.device, reps: int = 20) -> float:
+    """Median ms the host spends in ``layer``: on CUDA from an idle device until the work is queued (a launch
+    returns before its kernel ends)."""
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        layer()
+        times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(times) * 1e3
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ GPU a launch is one call.
 Work run on other threads (the torch backend's worker threads, the autograd engine's device threads) is not
 seen; count with one torch thread on the CPU. With ``as_device``, CPU tensors stand in for device ones: the
 checks that read a tensor only where reading is free (``host_readable``) are skipped, as on a device.
+
+``host_side_only`` times what the same work costs the host of a GPU, on any machine: a GPU runs the kernels
+while the host goes on, so where they are short the host's own time per layer (Python, op dispatch, launches)
+is the layer's time.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ _state = threading.local()
 
 def _active() -> list[LaunchCount]:
     if not hasattr(_state, "counts"):
-        _state.counts, _state.paused, _state.as_device, _state.compiling = [], 0, 0, None
+        _state.counts, _state.paused, _state.as_device, _state.compiling, _state.skipping = [], 0, 0, None, 0
     return _state.counts
 
 
@@ -81,20 +85,21 @@ def host_readable(x: torch.Tensor) -> bool:
 
 def launch(kernel, grid, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``, counted by every active ``count_launches``; compiled, not run, inside
-    ``compiled_not_run``. A ``num_stages`` in ``kwargs`` is the most the launch may take (``_fitting_stages``)."""
+    ``compiled_not_run``; neither inside ``host_side_only``. A ``num_stages`` in ``kwargs`` is the most the launch
+    may take (``_fitting_stages``)."""
     import triton  # imported by the kernel already
 
     counts = _active()
     compile_only = _state.compiling is not None
     if compile_only and any(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in args):
         raise RuntimeError(f"{_kernel_name(kernel)}: kernels are compiled here, not run: pass meta tensors")
-    if "num_stages" in kwargs and not triton.knobs.runtime.interpret:  # the interpreter has no stages
+    if "num_stages" in kwargs and not (triton.knobs.runtime.interpret or _state.skipping):  # no stages there
         kwargs["num_stages"] = _fitting_stages(kernel, grid, args, kwargs)
     if compile_only:  # first: a launch that fails to compile is not counted
         _state.compiling.append(kernel.warmup(*args, grid=grid, **kwargs))
     for count in counts:
         count.triton[_kernel_name(kernel)] += 1
-    if compile_only:
+    if compile_only or _state.skipping:
         return
     _state.paused += 1
     try:
@@ -211,6 +216,23 @@ def _to_host(args, kwargs) -> bool:
         if isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu":
             return True
     return False
+
+
+@contextmanager
+def host_side_only():
+    """Inside, the work runs only as far as a GPU's host runs it: ``launch`` skips the Triton kernels (their outputs
+    stay unwritten) and CPU tensors stand in for device ones (``count_launches(as_device=True)``). For timing the
+    host's share of a layer on the CPU, with the Triton backend under TRITON_INTERPRET=1, at a small size so that
+    the aten ops left compute next to nothing; on the device path nothing the host does depends on a kernel's
+    output (no host reads), so it takes the same steps as on a GPU."""
+    _active()
+    _state.skipping += 1
+    _state.as_device += 1
+    try:
+        yield
+    finally:
+        _state.skipping -= 1
+        _state.as_device -= 1
 
 
 @contextmanager

@@ -13,7 +13,7 @@ from sparsebalance_pl.kernels import LayerBudget, block_sparse_attention, select
 from sparsebalance_pl.kernels.attention import resolve_backend
 from sparsebalance_pl.kernels.attention_triton import _fwd_kernel
 from sparsebalance_pl.kernels.cross_compile import compiling_for
-from sparsebalance_pl.kernels.launches import compiled_not_run, count_launches, launch
+from sparsebalance_pl.kernels.launches import compiled_not_run, count_launches, host_readable, host_side_only, launch
 
 
 def test_the_counter_sees_launches_and_every_kind_of_host_read():
@@ -77,6 +77,22 @@ def test_a_launch_takes_the_most_stages_that_fit_the_gpus_shared_memory(monkeypa
         assert len(compiled) == 2
         with pytest.raises(RuntimeError, match="needs 100.0 KiB of shared memory per program, more than the 99 KiB"):
             launch(KernelNeeding({2: 120 * kib, 1: 100 * kib}), (1,), x, num_stages=2)
+
+
+def test_host_side_only_counts_a_launch_without_compiling_or_running_it_and_reads_as_a_device_would():
+    kernel, x = KernelNeeding({3: 0}), torch.zeros(4)  # the stand-in cannot run: ``kernel[grid]`` would fail
+    with count_launches() as count, host_side_only():
+        launch(kernel, (1,), x, num_stages=3)
+        assert not host_readable(x)
+    assert kernel.compiled == [] and count.launches == 1 and host_readable(x)
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_a_layer_run_host_side_only_takes_the_device_paths_steps_without_its_kernels():
+    with host_side_only():
+        skipped = _layer(256, 1, LayerBudget(0.9))
+    ran = _layer(256, 1, LayerBudget(0.9))
+    assert skipped.ops == ran.ops and skipped.triton == ran.triton and skipped.host_syncs == 0
 
 
 def _layer(num_tokens: int, docs: int, budget: LayerBudget):
