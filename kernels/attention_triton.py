@@ -12,12 +12,16 @@ Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (how the tests exercis
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
 
 from .launches import launch
-from .layout import TileLayout
+from .layout import TileLayout, next_power_of_two
 
 # Kernel constants (Triton reads only constexpr globals): the stored natural-log lse times _LOG2E is the
 # kernels' base-2 lse, and a base-2 lse times _LN2 is natural-log.
@@ -194,7 +198,7 @@ def _dkdv_kernel(
 def tile_columns(head_dim: int) -> int:
     """Columns of the q, k and v tiles: the head dimension padded to a power of two, at least 16 (``tl.dot``'s
     least)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_two(head_dim))
 
 
 def tile_rows(head_dim: int, dtype: torch.dtype) -> int:
@@ -204,22 +208,27 @@ def tile_rows(head_dim: int, dtype: torch.dtype) -> int:
     return max(16, min(64, 16 * 1024 // (tile_columns(head_dim) * dtype.itemsize)))
 
 
-def _launch_meta(q: torch.Tensor, layout: TileLayout) -> dict:
+def _launch_meta(q: torch.Tensor, layout: TileLayout) -> Mapping:
+    return _launch_options(q.dtype, q.shape[-1], q.device.type, layout.block_size, layout.group_size)
+
+
+@functools.cache  # worked out once per configuration, not on every launch
+def _launch_options(dtype: torch.dtype, head_dim: int, device_type: str, block_size: int, group: int) -> Mapping:
     # fp32's exact products spill registers beyond 16 rows here
-    tile = min(layout.block_size, 16 if q.dtype == torch.float32 else tile_rows(q.shape[-1], q.dtype))
-    return dict(
-        GROUP=layout.group_size,
-        HEAD_DIM=q.shape[-1],
-        BLOCK=layout.block_size,
+    tile = min(block_size, 16 if dtype == torch.float32 else tile_rows(head_dim, dtype))
+    return MappingProxyType(dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK=block_size,
         BLOCK_M=tile,
         BLOCK_N=tile,
-        BLOCK_D=tile_columns(q.shape[-1]),
+        BLOCK_D=tile_columns(head_dim),
         # fp32 inputs keep full precision (no TF32) so results match the reference to 1e-5.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=q.dtype == torch.bfloat16 and q.device.type == "cpu",
-        num_warps=4 if q.shape[-1] <= 64 else 8,  # with 4, wider heads spill registers on sm_80 and sm_90
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        UPCAST=dtype == torch.bfloat16 and device_type == "cpu",
+        num_warps=4 if head_dim <= 64 else 8,  # with 4, wider heads spill registers on sm_80 and sm_90
         num_stages=3,  # fewer where the GPU's shared memory holds fewer (launches.launch)
-    )
+    ))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

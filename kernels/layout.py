@@ -117,6 +117,12 @@ def num_blocks(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def next_power_of_two(n: int) -> int:
+    """The least power of two >= n (n >= 1), in plain Python: Triton's ``next_power_of_2`` is a constexpr function
+    whose wrapper costs the host more than this on every launch."""
+    return 1 << (n - 1).bit_length()
+
+
 def token_doc_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Document index of every token, int64 [T]: how many documents end at or before it (empty documents own
     no token). Fixed shapes, nothing read back from the device."""

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .attention_triton import tile_columns, tile_rows
 from .launches import launch
-from .layout import check_window, num_blocks
+from .layout import check_window, next_power_of_two, num_blocks
 
 _LOG2E = 1.4426950408889634
 
@@ -104,11 +104,11 @@ def estimate_block_mass(
     num_tokens, num_q_heads, head_dim = q.shape
     nb = num_blocks(num_tokens, block_size)
     per_block = block_size // stride
-    num_groups = triton.cdiv(num_tokens, stride)
+    num_groups = num_blocks(num_tokens, stride)
     mass = torch.zeros(num_q_heads, nb, nb, dtype=torch.float32, device=q.device)
     block_r = max(tile_rows(head_dim, q.dtype), per_block)
     launch(
-        _block_mass_kernel, (triton.cdiv(num_groups, block_r), num_q_heads),
+        _block_mass_kernel, (num_blocks(num_groups, block_r), num_q_heads),
         q, k, doc, mass,
         scale / stride * _LOG2E, num_tokens, num_groups, nb,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -221,7 +221,7 @@ def rank_block_mass(mass: torch.Tensor, doc: torch.Tensor, cu_seqlens: torch.Ten
     num_docs = cu_seqlens.numel() - 1
     document_tiles = torch.zeros(2, num_docs, dtype=torch.int32, device=device)
     taus_caps = [x for tau, cap in budgets for x in (float(tau), 2.0 if cap is None else float(cap))]
-    padded = triton.next_power_of_2(nb)
+    padded = next_power_of_two(nb)
     launch(
         _rank_kernel, (nb, num_q_heads),
         mass, doc, cu_seqlens, order, sorted_mass, cumulative, candidates, forced, kept, kept_mass, mask, optional,
@@ -283,7 +283,7 @@ def cut_to_tiles(ranking, known, scale: float, base_tiles: torch.Tensor) -> tupl
     launch(
         _cut_kernel, (nb, num_q_heads),
         ranking.order, ranking.cumulative, ranking.forced, known.optional, ordered, base_tiles, cut, cut_mass, mask,
-        nb, base_tiles.numel(), ordered.numel(), float(scale), NBP=triton.next_power_of_2(nb), DOCS_PER_STEP=128,
+        nb, base_tiles.numel(), ordered.numel(), float(scale), NBP=next_power_of_two(nb), DOCS_PER_STEP=128,
         num_warps=4 if nb <= 1024 else 8,
     )
     return cut, cut_mass, mask
