@@ -10,6 +10,7 @@ which lets ring attention pass the merged output of all its steps.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
@@ -36,6 +37,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+@functools.cache
 def _implementation(backend: str):
     module = {"torch": "attention_torch", "triton": "attention_triton"}[backend]
     return importlib.import_module(f".{module}", __package__)
