@@ -69,7 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--backends", nargs="+", choices=["torch", "triton", "flex"], default=None,
         help="sparse backends to time (default: torch on the CPU, triton and flex on CUDA)",
     )
-    parser.add_argument("--count", action="store_true", help="also count launches and host syncs per layer")
+    parser.add_argument("--count", action="store_true",
+                        help="also count launches and host syncs per layer, and time the host's share (on the CPU: "
+                             "the triton backend only, under TRITON_INTERPRET=1)")
     parser.add_argument(
         "--profile", action="store_true",
         help="also print where one forward and backward of the first sparse variant spends its time (torch.profiler)",
@@ -219,7 +221,7 @@ def main(argv=None) -> None:
                 if counted is None:
                     print(f"launches per layer ({backend}, {name} budget): failed: {failed[label]}")
                     continue
-                launched, syncs, host_ms = counted
+                launched, syncs, host_ms = counted  # host_ms None where not measured
                 figures["launches"][f"{backend} {name}"] = {"kernels": launched, "host_syncs": syncs,
                                                             "host_ms": host_ms}
                 host = "" if host_ms is None else f", host time: {host_ms:.3f} ms"
@@ -320,7 +322,7 @@ def compile_layer(args: argparse.Namespace) -> None:
 
 def layer_launches(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, backend):
     """(kernels launched, host synchronisations, the host's median ms) of ``run_layer``; no host time for the torch
-    backend on the CPU, whose kernels are the host's own work."""
+    backend on the CPU, whose kernels are the host's own work, nor for a layer that synchronises."""
 
     def layer():
         run_layer(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, backend)
@@ -331,7 +333,7 @@ def layer_launches(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, 
         if backend != "triton":
             return count.launches, count.host_syncs, None
         with host_side_only():
-            return count.launches, count.host_syncs, host_ms(layer, q.device)
+            return count.launches, count.host_syncs, host_time_ms(layer, q.device)
     layer()  # compiled and cached before counting
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -348,10 +350,11 @@ def layer_launches(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, 
     kernels = -1 if profile is None else sum(
         1 for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
     )
-    return kernels, syncs, host_ms(layer, q.device)
+    # a layer that synchronises waits for the GPU: its time would not be the host's
+    return kernels, syncs, host_time_ms(layer, q.device) if syncs == 0 else None
 
 
-def host_ms(layer, device: torch.device, reps: int = 20) -> float:
+def host_time_ms(layer, device: torch.device, reps: int = 10) -> float:
     """Median ms the host spends in ``layer``: on CUDA from an idle device until the work is queued (a launch
     returns before its kernel ends)."""
     times = []

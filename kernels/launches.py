@@ -13,9 +13,9 @@ Work run on other threads (the torch backend's worker threads, the autograd engi
 seen; count with one torch thread on the CPU. With ``as_device``, CPU tensors stand in for device ones: the
 checks that read a tensor only where reading is free (``host_readable``) are skipped, as on a device.
 
-``host_side_only`` times what the same work costs the host of a GPU, on any machine: a GPU runs the kernels
-while the host goes on, so where they are short the host's own time per layer (Python, op dispatch, launches)
-is the layer's time.
+``host_side_only`` runs the work as a GPU's host would, less Triton's own launches, so that its host time can be
+timed on any machine: a GPU runs the kernels while the host goes on, so where they are short the host's time per
+layer (Python, op dispatch, launches) is the layer's time.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     compile_only = _state.compiling is not None
     if compile_only and any(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in args):
         raise RuntimeError(f"{_kernel_name(kernel)}: kernels are compiled here, not run: pass meta tensors")
-    if "num_stages" in kwargs and not (triton.knobs.runtime.interpret or _state.skipping):  # no stages there
+    compiles = compile_only or not _state.skipping  # a launch skipped by host_side_only compiles nothing
+    if "num_stages" in kwargs and compiles and not triton.knobs.runtime.interpret:  # the interpreter has no stages
         kwargs["num_stages"] = _fitting_stages(kernel, grid, args, kwargs)
     if compile_only:  # first: a launch that fails to compile is not counted
         _state.compiling.append(kernel.warmup(*args, grid=grid, **kwargs))
@@ -224,7 +225,7 @@ def host_side_only():
     stay unwritten) and CPU tensors stand in for device ones (``count_launches(as_device=True)``). For timing the
     host's share of a layer on the CPU, with the Triton backend under TRITON_INTERPRET=1, at a small size so that
     the aten ops left compute next to nothing; on the device path nothing the host does depends on a kernel's
-    output (no host reads), so it takes the same steps as on a GPU."""
+    output (no host reads), so it takes a GPU's steps, but for the CPU's own thread settings."""
     _active()
     _state.skipping += 1
     _state.as_device += 1

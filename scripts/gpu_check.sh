@@ -12,8 +12,8 @@
 # calls). After a short run that compiles the kernels, its parts, most wanted first, each capped so that all fit one
 # 10-minute call: block-sparse attention forward and backward in Qwen2.5-0.5B's attention shape (14 query and 2 KV
 # heads, head dim 64, block 64, bf16) at 8K and 32K tokens against cuDNN's and FlexAttention's dense attention, at
-# densities 0.1, 0.25, 0.5 and 1.0, with the selection's share of the dense forward and the kernels and host
-# synchronisations of one layer; a whole-model step of Qwen2.5-0.5B's dimensions at 32K tokens, dense against sparse
+# densities 0.1, 0.25, 0.5 and 1.0, with the selection's share of the dense forward and the kernels, host
+# synchronisations and host time of one layer; a whole-model step of Qwen2.5-0.5B's dimensions at 32K tokens, dense against sparse
 # at density 0.25; the CUDA tests; the attention at 128K tokens. It ends with one table of the figures against their
 # targets. Each part's log and JSON land in $OUT as it ends (the device tool brings them back).
 set -uo pipefail
@@ -76,7 +76,7 @@ for tokens, fig in sorted(attention.items()):
             "<= 40, 0")
         if count.get("host_ms") is not None:  # the host's part of the fixed cost per layer
             row(f"{tokens}: host time per layer ({variant}), ms", f"{count['host_ms']:.3f}",
-                "part of the fixed cost, <= 0.5 on an H200" if tokens == 8192 else "")
+                "a share of the fixed cost (<= 0.5 on an H200)" if tokens == 8192 else "")
 for path in sorted(out.glob("compiled_sm*.json")):
     fig = json.loads(path.read_text())
     for need in fig["kernels"]:
@@ -135,10 +135,10 @@ summary)
   ;;
 esac
 
-attention() {  # $1: index into lengths; $2: seconds allowed
+attention() {  # $1: index into lengths; $2: seconds allowed; then any further options
   stamp "attention at ${lengths[$1]} tokens"
   timeout "$2" python3 benchmarks/attention.py --device "$device" --dtype "$dtype" "${heads[@]}" \
-    --tokens "${lengths[$1]}" --densities 0.1 0.25 0.5 1.0 --masks selected --reps "${reps[$1]}" --count \
+    --tokens "${lengths[$1]}" --densities 0.1 0.25 0.5 1.0 --masks selected --reps "${reps[$1]}" "${@:3}" \
     --json "$OUT/attention_${lengths[$1]}.json" 2>&1 | tee "$OUT/attention_${lengths[$1]}.log" | tail -16
 }
 
@@ -147,8 +147,8 @@ attention() {  # $1: index into lengths; $2: seconds allowed
 stamp "compiling at $warm tokens"
 timeout 130 python3 benchmarks/attention.py --device "$device" --dtype "$dtype" "${heads[@]}" --tokens "$warm" \
   --densities 0.25 1.0 --masks selected --reps 1 2>&1 | tail -3
-attention 0 80
-attention 1 90
+attention 0 80 --count
+attention 1 90 --count
 stamp "model step"
 timeout 130 python3 benchmarks/model_step.py "${model[@]}" --dtype "$dtype" --device "$device" --taus 0.9 \
   --max-densities 0.25 --attention "flex cap=0.25:kernel_backend=flex,tau=1.0,max_density=0.25" \
@@ -156,7 +156,7 @@ timeout 130 python3 benchmarks/model_step.py "${model[@]}" --dtype "$dtype" --de
 stamp "CUDA tests"
 timeout 90 python3 -m pytest -q "${tests[@]}" -p no:cacheprovider tests/unit/kernels tests/unit/test_cuda.py 2>&1 \
   | tee "$OUT/cuda_tests.log" | tail -12
-attention 2 60
+attention 2 60  # counts are the same at every length (tests); host time matters where kernels are short
 stamp "summary"
 summary "$OUT" | tee "$OUT/summary.md"
 stamp done
