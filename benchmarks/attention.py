@@ -354,7 +354,7 @@ def layer_launches(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, 
     return kernels, syncs, host_time_ms(layer, q.device) if syncs == 0 else None
 
 
-def host_time_ms(layer, device: torch.device, reps: int = 10) -> float:
+def host_time_ms(layer, device: torch.device, reps: int = 20) -> float:
     """Median ms the host spends in ``layer``: on CUDA from an idle device until the work is queued (a launch
     returns before its kernel ends)."""
     times = []
