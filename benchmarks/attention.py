@@ -14,7 +14,8 @@ cuDNN (on K/V repeated to the query heads, outside the timing) and FlexAttention
 
 ``--profile`` adds ``torch.profiler``'s table of one call of the first sparse variant, busiest ops first.
 ``--count`` adds what one layer asks of the device, selection plus attention forward and backward, per sparse
-backend: kernels launched, host synchronisations, and the host's time per layer. On CUDA the profiler counts the
+backend: kernels launched, host synchronisations, and the host's time per layer; the layers share the stream's
+``PackedDocuments``, as a model's do, whose launches are counted apart, once per micro-batch. On CUDA the profiler counts the
 kernels, ``torch.cuda.set_sync_debug_mode("error")`` catches any synchronisation and the host time is the time
 to queue the layer's work, not waiting for it; on the CPU ``kernels.launches`` counts aten ops and Triton launches
 (the Triton path under ``TRITON_INTERPRET=1``) and host reads, its tensors standing in for device ones
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparsebalance_pl.kernels import LayerBudget, attention_recall, block_sparse_attention, select_blocks
+from sparsebalance_pl.kernels import LayerBudget, PackedDocuments, attention_recall, block_sparse_attention, select_blocks
 from sparsebalance_pl.kernels import select_with_budget
 from sparsebalance_pl.kernels.launches import count_launches, host_side_only
 from sparsebalance_pl.kernels.layout import candidate_tiles, forced_tiles, token_doc_ids
@@ -115,11 +116,12 @@ def main(argv=None) -> None:
     v = torch.randn(kv_shape, generator=gen, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     cu_seqlens = equal_documents(args.tokens, args.docs, device)
+    documents = PackedDocuments(cu_seqlens, args.tokens, args.block_size)  # once for all layers, as a model does
     backends = args.backends or (["triton", "flex"] if device.type == "cuda" else ["torch"])
 
     def select(tau=1.0, max_density=None):
         return select_blocks(
-            q.detach(), k.detach(), cu_seqlens, block_size=args.block_size, tau=tau, stride=args.stride,
+            q.detach(), k.detach(), documents, block_size=args.block_size, tau=tau, stride=args.stride,
             max_density=max_density, return_stats=True,
         )
 
@@ -148,7 +150,7 @@ def main(argv=None) -> None:
 
     def sparse(mask, backend):
         def run():
-            out = block_sparse_attention(q, k, v, mask, cu_seqlens, block_size=args.block_size, backend=backend)
+            out = block_sparse_attention(q, k, v, mask, documents, block_size=args.block_size, backend=backend)
             torch.autograd.grad(out, (q, k, v), grad)
         return run
 
@@ -213,10 +215,14 @@ def main(argv=None) -> None:
     }
     if args.count:
         figures["launches"], budgets = {}, layer_budgets(args.tau)
+        with count_launches(as_device=True) as per_batch:  # what a model does once for all its layers
+            PackedDocuments(cu_seqlens, args.tokens, args.block_size).candidate_tiles()
+        figures["launches_per_micro_batch"] = per_batch.launches
+        print(f"launches once per micro-batch (the documents every layer shares): {per_batch.launches}")
         for backend in backends:
             for name, budget in budgets.items():
                 label = f"launches {backend} {name}"
-                counted = attempt(label, failed, layer_launches, q, k, v, grad, cu_seqlens, args.block_size,
+                counted = attempt(label, failed, layer_launches, q, k, v, grad, documents, args.block_size,
                                   args.stride, budget, budgets["base"], backend)
                 if counted is None:
                     print(f"launches per layer ({backend}, {name} budget): failed: {failed[label]}")
@@ -269,7 +275,7 @@ def equal_documents(tokens: int, docs: int, device: torch.device) -> torch.Tenso
 
 def run_layer(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, backend) -> None:
     """One layer's selection (with the densities and estimated recalls a module logs) and attention, forward and
-    backward, at ``budget`` against ``base``."""
+    backward, at ``budget`` against ``base``; ``cu_seqlens`` may be the stream's ``PackedDocuments``."""
     selection = select_with_budget(q.detach(), k.detach(), cu_seqlens, budget, base, block_size=block_size,
                                    stride=stride, backend=backend)
     for stats in (selection.stats, selection.base_stats):
@@ -320,12 +326,13 @@ def compile_layer(args: argparse.Namespace) -> None:
                                                "kernels": usage}, indent=1))
 
 
-def layer_launches(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, backend):
-    """(kernels launched, host synchronisations, the host's median ms) of ``run_layer``; no host time for the torch
-    backend on the CPU, whose kernels are the host's own work, nor for a layer that synchronises."""
+def layer_launches(q, k, v, grad, documents, block_size, stride, budget, base, backend):
+    """(kernels launched, host synchronisations, the host's median ms) of ``run_layer`` on the stream's
+    ``PackedDocuments``; no host time for the torch backend on the CPU, whose kernels are the host's own work, nor
+    for a layer that synchronises."""
 
     def layer():
-        run_layer(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, backend)
+        run_layer(q, k, v, grad, documents, block_size, stride, budget, base, backend)
 
     if q.device.type != "cuda":
         with count_launches(as_device=True) as count:

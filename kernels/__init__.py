@@ -10,6 +10,7 @@ from sparsebalance_pl.lazy_exports import lazy_exports
 _EXPORTS = {
     "block_sparse_attention": ".attention",
     "BACKENDS": ".attention",
+    "PackedDocuments": ".layout",
     "select_blocks": ".selection",
     "rank_blocks": ".selection",
     "BlockRanking": ".selection",

@@ -18,7 +18,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import attention_flex, launches
-from .layout import TileLayout, check_attention_inputs
+from .layout import PackedDocuments, TileLayout, check_attention_inputs, packed_documents
 
 BACKENDS = ("auto", "torch", "triton", "flex")
 
@@ -64,7 +64,7 @@ def block_sparse_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     block_mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | PackedDocuments,
     *,
     block_size: int,
     scale: float | None = None,
@@ -74,18 +74,20 @@ def block_sparse_attention(
     j <= i and ``block_mask[h, i // B, j // B]``.
 
     q [T, Hq, D], k and v [T, Hkv, D] (query head h uses KV head h // (Hq / Hkv)); cu_seqlens int32
-    [docs + 1] from 0 to T; block_mask bool [Hq, ceil(T/B), ceil(T/B)]; scale defaults to D ** -0.5.
+    [docs + 1] from 0 to T, or the stream's ``PackedDocuments`` (made once for all layers); block_mask bool
+    [Hq, ceil(T/B), ceil(T/B)]; scale defaults to D ** -0.5.
     Returns [T, Hq, D] in q's dtype, differentiable in q, k and v. A query with no allowed key gets output 0
     and zero gradients. ``backend``: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (any device,
     cost proportional to the kept tiles), "flex" (PyTorch's FlexAttention, compiled on CUDA; forward only on the
     CPU), "auto" (triton on CUDA tensors, torch otherwise).
     """
-    check_attention_inputs(q, k, v, block_mask, cu_seqlens, block_size)
+    check_attention_inputs(q, k, v, block_mask, block_size)
+    documents = packed_documents(cu_seqlens, q.shape[0], block_size)
     backend = resolve_backend(backend, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if backend != "flex" and torch.compiler.is_compiling():
-        return _compiled_attention(q, k, v, block_mask, cu_seqlens, block_size, scale, backend)[0]
-    layout = TileLayout.build(block_mask, cu_seqlens, q.shape[0], k.shape[1], block_size)
+        return _compiled_attention(q, k, v, block_mask, documents.cu_seqlens, block_size, scale, backend)[0]
+    layout = TileLayout.build(block_mask, documents, q.shape[0], k.shape[1], block_size)
     if backend == "flex":  # its own autograd, which torch.compile traces
         return attention_flex.attend(q, k, v, layout, scale)
     return _BlockSparseAttention.apply(q, k, v, layout, scale, _implementation(backend))

@@ -33,8 +33,9 @@ def single_threaded():
 
 
 def single_threaded_on_cpu(device: torch.device):
-    """``single_threaded`` for work on the CPU; nothing for a device's (its ops use no host threads)."""
-    return single_threaded() if device.type == "cpu" else nullcontext()
+    """``single_threaded`` for work on the CPU; nothing for a device's (its ops use no host threads), nor while
+    torch.compile traces (a thread count is no part of its graph)."""
+    return single_threaded() if device.type == "cpu" and not torch.compiler.is_compiling() else nullcontext()
 
 
 def check_power_of_two(name: str, value: int) -> None:
@@ -99,18 +100,12 @@ def check_block_mask(
 
 
 def check_attention_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_mask: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    block_size: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor, block_size: int
 ) -> None:
-    """The argument contract of ``block_sparse_attention``."""
+    """The argument contract of ``block_sparse_attention`` besides the document bounds (``check_cu_seqlens``)."""
     check_power_of_two("block_size", block_size)
     check_qkv(q, k, v)
     check_block_mask(block_mask, q.shape[1], q.shape[0], block_size, q.device)
-    check_cu_seqlens(cu_seqlens, q.shape[0])
 
 
 def num_blocks(num_tokens: int, block_size: int) -> int:
@@ -144,6 +139,41 @@ def candidate_tiles(doc: torch.Tensor, block_size: int) -> torch.Tensor:
     n = first.numel()
     causal = torch.ones(n, n, dtype=torch.bool, device=doc.device).tril_()
     return causal & (first[:, None] <= last[None, :])
+
+
+class PackedDocuments:
+    """The documents of a packed stream of ``num_tokens`` tokens, bounded by ``cu_seqlens``, with what every layer's
+    selection and attention derive from them in blocks of ``block_size``: each token's document (``doc``) and, at
+    first use, the candidate tiles. Made once per micro-batch and passed to every layer in place of ``cu_seqlens``,
+    it spares each layer the launches that would derive them again, and checks the bounds once."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, num_tokens: int, block_size: int) -> None:
+        check_cu_seqlens(cu_seqlens, num_tokens)
+        check_power_of_two("block_size", block_size)
+        self.cu_seqlens, self.num_tokens, self.block_size = cu_seqlens, num_tokens, block_size
+        with single_threaded_on_cpu(cu_seqlens.device):
+            self.doc = token_doc_ids(cu_seqlens, num_tokens)
+        self._candidates: torch.Tensor | None = None
+
+    def candidate_tiles(self) -> torch.Tensor:
+        """bool [nB, nB]: ``candidate_tiles`` of the stream, computed at the first call."""
+        if self._candidates is None:
+            with single_threaded_on_cpu(self.doc.device):
+                self._candidates = candidate_tiles(self.doc, self.block_size)
+        return self._candidates
+
+
+def packed_documents(
+    cu_seqlens: torch.Tensor | PackedDocuments, num_tokens: int, block_size: int
+) -> PackedDocuments:
+    """``cu_seqlens`` as ``PackedDocuments``, or the ``PackedDocuments`` given, which must be of the same stream
+    length and block size."""
+    if not isinstance(cu_seqlens, PackedDocuments):
+        return PackedDocuments(cu_seqlens, num_tokens, block_size)
+    if (cu_seqlens.num_tokens, cu_seqlens.block_size) != (num_tokens, block_size):
+        raise ValueError(f"the packed documents are of {cu_seqlens.num_tokens} tokens in blocks of "
+                         f"{cu_seqlens.block_size}, the call's of {num_tokens} in blocks of {block_size}")
+    return cu_seqlens
 
 
 def striped_blocks(num_blocks: int, world_size: int, rank: int, device=None) -> torch.Tensor:
@@ -238,13 +268,14 @@ class TileLayout:
 
     @staticmethod
     def build(
-        block_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int, num_kv_heads: int, block_size: int
+        block_mask: torch.Tensor, cu_seqlens: torch.Tensor | PackedDocuments, num_tokens: int, num_kv_heads: int,
+        block_size: int,
     ) -> "TileLayout":
         """The layout of ``block_sparse_attention`` over a whole stream of ``num_tokens`` tokens."""
+        documents = packed_documents(cu_seqlens, num_tokens, block_size)
         with single_threaded_on_cpu(block_mask.device):
-            doc = token_doc_ids(cu_seqlens, num_tokens)
-            kept = block_mask & candidate_tiles(doc, block_size)
-            return TileLayout._from_tiles(kept, doc, num_kv_heads, block_size)
+            kept = block_mask & documents.candidate_tiles()
+            return TileLayout._from_tiles(kept, documents.doc, num_kv_heads, block_size)
 
     @staticmethod
     @single_threaded()

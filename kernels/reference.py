@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import check_attention_inputs, pair_mask, token_doc_ids
+from .layout import check_attention_inputs, check_cu_seqlens, pair_mask, token_doc_ids
 
 
 def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -33,7 +33,8 @@ def reference_block_sparse_attention(
 
     Only for tests and small inputs: memory is Hq * T * T.
     """
-    check_attention_inputs(q, k, v, block_mask, cu_seqlens, block_size)
+    check_attention_inputs(q, k, v, block_mask, block_size)
+    check_cu_seqlens(cu_seqlens, q.shape[0])
     num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale

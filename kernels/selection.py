@@ -28,15 +28,15 @@ import torch.nn.functional as F
 
 from .attention import resolve_backend
 from .layout import (
+    PackedDocuments,
     candidate_tiles,
-    check_cu_seqlens,
     check_power_of_two,
     check_qk,
     forced_tiles,
     group_doc_range,
     num_blocks,
+    packed_documents,
     striped_blocks,
-    token_doc_ids,
 )
 from .ring import context_unshard, group_place
 
@@ -505,7 +505,7 @@ def _mass_like(q, k, block_size, q_blocks) -> torch.Tensor:
 def rank_blocks(
     q: torch.Tensor,
     k: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | PackedDocuments,
     *,
     block_size: int,
     stride: int = 16,
@@ -521,20 +521,20 @@ def rank_blocks(
 def _rank_stream(q, k, cu_seqlens, block_size, stride, scale, backend, options, budgets=(), first=None):
     """``rank_blocks``, passing ``budgets`` to the ranking (``_rank_rows``)."""
     options = selection_options(**options)
-    estimate, ranker, scale = _scoring(q, k, cu_seqlens, q.shape[0], block_size, stride, scale, backend, options)
-    return BlockRanking(*_rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate, ranker, options=options,
+    estimate, ranker, scale = _scoring(q, k, block_size, stride, scale, backend, options)
+    documents = packed_documents(cu_seqlens, q.shape[0], block_size)
+    return BlockRanking(*_rank_rows(q, k, documents, block_size, stride, scale, estimate, ranker, options=options,
                                     budgets=budgets, first=first))
 
 
-def _scoring(q, k, cu_seqlens, num_tokens: int, block_size: int, stride: int, scale, backend: str, options: dict):
-    """Checks the scoring arguments of a stream of ``num_tokens``; returns (the backend's mass estimate, its
-    ranking of the scored rows, scale)."""
+def _scoring(q, k, block_size: int, stride: int, scale, backend: str, options: dict):
+    """Checks the scoring arguments (``packed_documents`` checks the document bounds); returns (the backend's mass
+    estimate, its ranking of the scored rows, scale)."""
     check_power_of_two("block_size", block_size)
     check_power_of_two("stride", stride)
     if stride > block_size:
         raise ValueError(f"stride ({stride}) must not exceed block_size ({block_size})")
     check_qk(q, k)
-    check_cu_seqlens(cu_seqlens, num_tokens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if _scores_with_triton(resolve_backend(backend, q.device), q.device):
         from . import selection_triton
@@ -581,19 +581,20 @@ def rank_block_mass(mass: torch.Tensor, doc: torch.Tensor, cu_seqlens: torch.Ten
     return candidates.sum(-1), forced.sum(-1), order, sorted_mass, sorted_mass.cumsum(dim=-1), {}
 
 
-def _rank_rows(q, k, cu_seqlens, block_size: int, stride: int, scale: float, estimate, ranker, q_blocks=None,
-               options: dict | None = None, budgets: tuple = (), first: str | None = None) -> tuple:
-    """``BlockRanking``'s fields for the query blocks ``q_blocks`` (None: all) of the stream whose keys are
-    ``k``, scored by ``estimate`` and ranked by ``ranker`` (``rank_block_mass``), which may apply ``budgets``
-    ((tau, max_density) pairs) on the way; probes and per-head taus move counts and masses, so they take none."""
+def _rank_rows(q, k, documents: PackedDocuments, block_size: int, stride: int, scale: float, estimate, ranker,
+               q_blocks=None, options: dict | None = None, budgets: tuple = (), first: str | None = None) -> tuple:
+    """``BlockRanking``'s fields for the query blocks ``q_blocks`` (None: all) of the stream of ``documents``
+    whose keys are ``k``, scored by ``estimate`` and ranked by ``ranker`` (``rank_block_mass``), which may apply
+    ``budgets`` ((tau, max_density) pairs) on the way; probes and per-head taus move counts and masses, so they
+    take none."""
     options = selection_options(**(options or {}))
     if options["recall_probes"] or options["per_head_tau"]:
         budgets, first = (), None
     with torch.no_grad():
-        doc = token_doc_ids(cu_seqlens, k.shape[0])
+        doc = documents.doc
         mass = estimate(q, k, doc, block_size, stride, scale)
         candidates, forced, order, sorted_mass, cumulative, known = ranker(
-            mass, doc, cu_seqlens, block_size, options["sink_blocks"], options["local_blocks"], q_blocks,
+            mass, doc, documents.cu_seqlens, block_size, options["sink_blocks"], options["local_blocks"], q_blocks,
             budgets, first,
         )
         probe = None
@@ -607,7 +608,7 @@ def _rank_rows(q, k, cu_seqlens, block_size: int, stride: int, scale: float, est
 def select_blocks(
     q: torch.Tensor,
     k: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | PackedDocuments,
     *,
     block_size: int,
     tau: float,
@@ -621,8 +622,8 @@ def select_blocks(
     """Block mask bool [Hq, ceil(T/B), ceil(T/B)] for ``block_sparse_attention`` (module docstring for the rule).
 
     q [T, Hq, D] and k [T, Hkv, D] of one packed stream (GQA: each query head is scored against its KV head);
-    cu_seqlens int32 [docs + 1]; tau in (0, 1]; stride a power of two dividing block_size; max_density in
-    (0, 1] or None; scale defaults to D ** -0.5. With ``return_stats`` returns ``(mask, SelectionStats)``.
+    cu_seqlens int32 [docs + 1], or the stream's ``PackedDocuments`` (made once for all layers); tau in (0, 1];
+    stride a power of two dividing block_size; max_density in (0, 1] or None; scale defaults to D ** -0.5. With ``return_stats`` returns ``(mask, SelectionStats)``.
     ``backend`` picks the scoring kernel like ``block_sparse_attention`` does. Not differentiable.
     ``rank_blocks(...).select(...)`` is the same in two steps, for several budgets or a tile budget.
     """
@@ -660,7 +661,7 @@ class BudgetedSelection:
 def select_with_budget(
     q: torch.Tensor,
     k: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | PackedDocuments,
     budget: LayerBudget,
     base: LayerBudget,
     *,
@@ -679,9 +680,10 @@ def select_with_budget(
     improving while the measured one does not.
     """
     budgets = ((budget.tau, budget.max_density), (base.tau, base.max_density))
-    ranking = _rank_stream(q, k, cu_seqlens, block_size, stride, scale, backend, options, budgets[:2 - (budget == base)],
+    documents = packed_documents(cu_seqlens, q.shape[0], block_size)
+    ranking = _rank_stream(q, k, documents, block_size, stride, scale, backend, options, budgets[:2 - (budget == base)],
                            first="mask" if budget.density_scale is None else "optional")
-    return _select_budgeted(ranking, budget, base, cu_seqlens, q.shape[0], block_size)
+    return _select_budgeted(ranking, budget, base, documents.cu_seqlens, q.shape[0], block_size)
 
 
 def _select_budgeted(ranking: BlockRanking, budget: LayerBudget, base: LayerBudget, cu_seqlens, num_tokens: int,
@@ -870,7 +872,8 @@ def rank_blocks_striped(
         )
     num_tokens = q.shape[0] * world_size
     options = selection_options(**options)
-    estimate, ranker, scale = _scoring(q, k, cu_seqlens, num_tokens, block_size, stride, scale, backend, options)
+    estimate, ranker, scale = _scoring(q, k, block_size, stride, scale, backend, options)
+    documents = packed_documents(cu_seqlens, num_tokens, block_size)
     q_blocks = None
     if world_size > 1:  # the torch kernels score and rank a subset of the rows
         q_blocks = striped_blocks(num_blocks(num_tokens, block_size), world_size, rank, q.device)
@@ -878,7 +881,7 @@ def rank_blocks_striped(
         estimate, ranker = partial(torch_estimate, q_blocks=q_blocks), rank_block_mass
         with torch.no_grad():
             k = _gather_stream(k.detach(), group, world_size, block_size)
-    fields = _rank_rows(q, k, cu_seqlens, block_size, stride, scale, estimate, ranker, q_blocks, options)
+    fields = _rank_rows(q, k, documents, block_size, stride, scale, estimate, ranker, q_blocks, options)
     return StripedRanking(*fields, group=group, world_size=world_size, rank=rank, q_blocks=q_blocks)
 
 

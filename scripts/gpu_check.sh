@@ -71,6 +71,8 @@ for tokens, fig in sorted(attention.items()):
         best = min(low, key=lambda e: e["ms"])
         row(f"{tokens}: selection + attention at density 0.1 ({best['backend']}), ms",
             f"{fig['selection_ms'] + best['ms']:.2f}", "<= 0.5 on an H200" if tokens == 8192 else "")
+    if "launches_per_micro_batch" in fig:
+        row(f"{tokens}: kernels once per micro-batch (documents the layers share)", fig["launches_per_micro_batch"])
     for variant, count in fig.get("launches", {}).items():
         row(f"{tokens}: kernels and host syncs per layer ({variant})", f"{count['kernels']}, {count['host_syncs']}",
             "<= 40, 0")

@@ -39,6 +39,7 @@ from sparsebalance_pl.cost import CostModel, DensityEstimator, SparsityReport, S
 from sparsebalance_pl.cost.latency import LatencyModel, cost_dims
 from sparsebalance_pl.distributed import gather_objects
 from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl.kernels import PackedDocuments
 from sparsebalance_pl.kernels.selection import SELECTION_OPTIONS, BudgetedSelection, LayerBudget, selection_options
 from sparsebalance_pl.timing import AttentionTimer
 
@@ -186,6 +187,13 @@ class MicroBatch:
     selections: dict[int, BudgetedSelection] = field(default_factory=dict)
     stats: dict[int, LayerStats] = field(default_factory=dict)
     observed: bool = False
+    documents: PackedDocuments | None = None  # made by the first sparse layer, which knows T and the block size
+
+    def packed_documents(self, num_tokens: int, block_size: int) -> PackedDocuments:
+        """The stream's ``PackedDocuments``, made at the first layer that asks and shared by the others."""
+        if self.documents is None:
+            self.documents = PackedDocuments(self.cu_seqlens, num_tokens, block_size)
+        return self.documents
 
     @property
     def measures_recall(self) -> bool:
@@ -471,6 +479,7 @@ def _sparse_attention(q, k, v, layer: int, batch: MicroBatch, config: AttentionC
     from sparsebalance_pl.kernels.layout import striped_blocks
 
     cp = batch.context_parallel
+    documents = None if cp.active else batch.packed_documents(q.shape[0], config.block_size)
     mask = batch.masks.get(layer)
     if mask is None:  # an activation-checkpointing recomputation reuses the mask (and skips the collectives)
         settings = dict(block_size=config.block_size, stride=config.stride, scale=scale,
@@ -480,7 +489,7 @@ def _sparse_attention(q, k, v, layer: int, batch: MicroBatch, config: AttentionC
             selection = select_with_budget_striped(q.detach(), k.detach(), batch.cu_seqlens, budget, base,
                                                    group=cp.group, **settings)
         else:
-            selection = select_with_budget(q.detach(), k.detach(), batch.cu_seqlens, budget, base, **settings)
+            selection = select_with_budget(q.detach(), k.detach(), documents, budget, base, **settings)
         mask = selection.mask
         if batch.measures_recall:  # the base budget and its price probes are measured beside the budget in use
             batch.selections[layer] = selection
@@ -497,7 +506,7 @@ def _sparse_attention(q, k, v, layer: int, batch: MicroBatch, config: AttentionC
     if cp.active:
         return _ring_attention(q, k, v, mask, layer, batch, config, scale)
     return block_sparse_attention(
-        q, k, v, mask, batch.cu_seqlens, block_size=config.block_size, scale=scale, backend=config.kernel_backend
+        q, k, v, mask, documents, block_size=config.block_size, scale=scale, backend=config.kernel_backend
     )
 
 

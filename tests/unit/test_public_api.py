@@ -35,7 +35,8 @@ PUBLIC_API = {
     ],
     "sparsebalance_pl.errors": ["ConfigError", "DataError", "TrainingError"],
     "sparsebalance_pl.kernels": [
-        "BACKENDS", "BlockRanking", "BudgetedSelection", "LayerBudget", "SelectionStats", "StripedRanking",
+        "BACKENDS", "BlockRanking", "BudgetedSelection", "LayerBudget", "PackedDocuments", "SelectionStats",
+        "StripedRanking",
         "attention_recall", "block_sparse_attention", "context_shard", "context_unshard", "rank_blocks",
         "rank_blocks_striped", "reference_block_sparse_attention", "select_blocks", "select_blocks_striped",
         "select_with_budget", "select_with_budget_striped", "sparse_ring_attention",

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from attention_cases import TRITON_OK, check_against_reference, device_for, packed_case, relative_error
 from main_runner import REPO
 
-from sparsebalance_pl.kernels import block_sparse_attention, reference_block_sparse_attention
+from sparsebalance_pl.kernels import (
+    LayerBudget, PackedDocuments, block_sparse_attention, reference_block_sparse_attention, select_with_budget,
+)
 from sparsebalance_pl.kernels.attention import _implementation
 from sparsebalance_pl.kernels.layout import TileLayout, pair_mask, token_doc_ids
 
@@ -159,6 +161,32 @@ def test_invalid_arguments_raise_clear_errors():
         call(q, k, v, mask, torch.tensor([0, 70], dtype=torch.int32), block_size=16)
     with pytest.raises(ValueError, match=r"\[T, H, D\]"):
         call(q[0], k, v, mask, cu, block_size=16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layers_sharing_packed_documents_select_and_attend_as_from_cu_seqlens(backend):
+    q, k, v, _, cu = packed_case(3, 75, 4, 2, 16, 16, device=device_for(backend))
+    documents = PackedDocuments(cu, 75, 16)
+    results = []
+    for bounds in (cu, documents, documents):  # the second layer reuses what the first derived
+        selection = select_with_budget(q, k, bounds, LayerBudget(0.8), LayerBudget(0.9), block_size=16, stride=8,
+                                       backend=backend)
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        out = block_sparse_attention(qg, kg, vg, selection.mask, bounds, block_size=16, backend=backend)
+        out.sum().backward()
+        results.append((selection.mask, selection.base_document_density, out, qg.grad, kg.grad, vg.grad))
+    for shared in results[1:]:
+        for x, y in zip(results[0], shared):
+            assert torch.equal(x, y)
+
+
+def test_packed_documents_of_another_stream_are_refused():
+    q, k, v, mask, cu = packed_case(0, 64, 2, 1, 16, 16)
+    with pytest.raises(ValueError, match="packed documents are of 64 tokens in blocks of 32, the call's of 64 in "
+                                         "blocks of 16"):
+        block_sparse_attention(q, k, v, mask, PackedDocuments(cu, 64, 32), block_size=16)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        PackedDocuments(cu, 70, 16)
 
 
 def test_package_import_is_light():

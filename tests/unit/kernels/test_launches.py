@@ -9,7 +9,7 @@ import torch
 from attention_cases import TRITON_OK
 from triton.backends.compiler import GPUTarget
 
-from sparsebalance_pl.kernels import LayerBudget, block_sparse_attention, select_with_budget
+from sparsebalance_pl.kernels import LayerBudget, PackedDocuments, block_sparse_attention, select_with_budget
 from sparsebalance_pl.kernels.attention import resolve_backend
 from sparsebalance_pl.kernels.attention_triton import _fwd_kernel
 from sparsebalance_pl.kernels.cross_compile import compiling_for
@@ -95,12 +95,16 @@ def test_a_layer_run_host_side_only_takes_the_device_paths_steps_without_its_ker
     assert skipped.ops == ran.ops and skipped.triton == ran.triton and skipped.host_syncs == 0
 
 
-def _layer(num_tokens: int, docs: int, budget: LayerBudget):
-    """Counts one layer's selection (with the stats a module logs) and attention, forward and backward."""
+def _layer(num_tokens: int, docs: int, budget: LayerBudget, shared: bool = False):
+    """Counts one layer's selection (with the stats a module logs) and attention, forward and backward; ``shared``:
+    on the stream's ``PackedDocuments``, made before (as by an earlier layer)."""
     gen = torch.Generator().manual_seed(num_tokens + docs)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v = (torch.randn(num_tokens, h, 16, generator=gen).to(device).requires_grad_() for h in (2, 1, 1))
     cu_seqlens = torch.linspace(0, num_tokens, docs + 1).round().int().to(device)
+    if shared:
+        cu_seqlens = PackedDocuments(cu_seqlens, num_tokens, 16)
+        cu_seqlens.candidate_tiles()
     grad = torch.randn(num_tokens, 2, 16, generator=gen).to(device)
     with count_launches(as_device=device == "cpu") as count:
         selection = select_with_budget(q.detach(), k.detach(), cu_seqlens, budget, LayerBudget(0.9), block_size=16,
@@ -115,10 +119,12 @@ def _layer(num_tokens: int, docs: int, budget: LayerBudget):
 @pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("budget", [LayerBudget(0.9), LayerBudget(0.95, None, 0.7)], ids=["base", "tuned"])
 def test_the_device_path_reads_nothing_back_and_launches_a_fixed_number_of_kernels(budget):
-    counts = {(n, docs): _layer(n, docs, budget) for n, docs in [(32, 1), (256, 1), (256, 64)]}
+    counts = {(n, docs): _layer(n, docs, budget, shared=True) for n, docs in [(32, 1), (256, 1), (256, 64)]}
     for count in counts.values():
         assert count.host_syncs == 0, count.summary()
     launches = {key: count.launches for key, count in counts.items()}
     assert len(set(launches.values())) == 1, launches
     assert launches[(32, 1)] <= 40  # the budget: a few launches of selection and attention, forward and backward
+    # the layers of a model share the stream's documents; without them each layer derives them again
+    assert _layer(32, 1, budget).launches > launches[(32, 1)]
     assert counts[(32, 1)].ops == counts[(256, 64)].ops and counts[(32, 1)].triton == counts[(256, 64)].triton
