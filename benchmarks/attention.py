@@ -14,14 +14,17 @@ cuDNN (on K/V repeated to the query heads, outside the timing) and FlexAttention
 
 ``--profile`` adds ``torch.profiler``'s table of one call of the first sparse variant, busiest ops first.
 ``--count`` adds what one layer asks of the device, selection plus attention forward and backward, per sparse
-backend: kernels launched, host synchronisations, and the host's time per layer; the layers share the stream's
-``PackedDocuments``, as a model's do, whose launches are counted apart, once per micro-batch. On CUDA the profiler counts the
+backend: kernels launched, host synchronisations, and the host's time per layer. On CUDA the profiler counts the
 kernels, ``torch.cuda.set_sync_debug_mode("error")`` catches any synchronisation and the host time is the time
 to queue the layer's work, not waiting for it; on the CPU ``kernels.launches`` counts aten ops and Triton launches
 (the Triton path under ``TRITON_INTERPRET=1``) and host reads, its tensors standing in for device ones
 (``count_launches(as_device=True)``), and times the layer without its Triton kernels (``host_side_only``; at a
 small ``--tokens``, so that the aten ops left compute next to nothing). Where the kernels are short, the host's
 time is the layer's.
+
+Every sparse variant and layer shares the stream's ``PackedDocuments``, made once outside the timings, as a model's
+layers do: no figure per call or layer holds that work, whose launches ``--count`` counts apart, once per
+micro-batch.
 
     python benchmarks/attention.py            # 8192 tokens, 8/2 heads, d 64, block 64
     python benchmarks/attention.py --quick    # small and fast
@@ -40,10 +43,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparsebalance_pl.kernels import LayerBudget, PackedDocuments, attention_recall, block_sparse_attention, select_blocks
-from sparsebalance_pl.kernels import select_with_budget
+from sparsebalance_pl.kernels import LayerBudget, PackedDocuments, attention_recall, block_sparse_attention
+from sparsebalance_pl.kernels import select_blocks, select_with_budget
 from sparsebalance_pl.kernels.launches import count_launches, host_side_only
-from sparsebalance_pl.kernels.layout import candidate_tiles, forced_tiles, token_doc_ids
+from sparsebalance_pl.kernels.layout import forced_tiles
 from sparsebalance_pl.variants import attempt, one_line
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -125,9 +128,8 @@ def main(argv=None) -> None:
             max_density=max_density, return_stats=True,
         )
 
-    doc = token_doc_ids(cu_seqlens, args.tokens)
-    candidates = candidate_tiles(doc, args.block_size)
-    forced = forced_tiles(doc, cu_seqlens, args.block_size)
+    candidates = documents.candidate_tiles()
+    forced = forced_tiles(documents.doc, cu_seqlens, args.block_size)
 
     def scattered(density):
         keep = torch.rand(args.q_heads, *candidates.shape, generator=gen, device=device) < density

@@ -18,7 +18,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import attention_flex, launches
-from .layout import PackedDocuments, TileLayout, check_attention_inputs, packed_documents
+from .layout import PackedDocuments, TileLayout, as_packed_documents, check_attention_inputs
 
 BACKENDS = ("auto", "torch", "triton", "flex")
 
@@ -82,7 +82,7 @@ def block_sparse_attention(
     CPU), "auto" (triton on CUDA tensors, torch otherwise).
     """
     check_attention_inputs(q, k, v, block_mask, block_size)
-    documents = packed_documents(cu_seqlens, q.shape[0], block_size)
+    documents = as_packed_documents(cu_seqlens, q.shape[0], block_size)
     backend = resolve_backend(backend, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if backend != "flex" and torch.compiler.is_compiling():

@@ -142,10 +142,11 @@ def candidate_tiles(doc: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 class PackedDocuments:
-    """The documents of a packed stream of ``num_tokens`` tokens, bounded by ``cu_seqlens``, with what every layer's
-    selection and attention derive from them in blocks of ``block_size``: each token's document (``doc``) and, at
-    first use, the candidate tiles. Made once per micro-batch and passed to every layer in place of ``cu_seqlens``,
-    it spares each layer the launches that would derive them again, and checks the bounds once."""
+    """The documents of one packed stream of ``num_tokens`` tokens, bounded by ``cu_seqlens``, with what every
+    layer's selection and attention derive from them in blocks of ``block_size``: each token's document (``doc``)
+    and, at first use, the candidate tiles. Made once per micro-batch and passed to each of its layers in place of
+    ``cu_seqlens``, it spares every layer the launches that would derive them again, and checks the bounds once.
+    Only the length and block size of a stream it is given with are checked: a new micro-batch needs a new one."""
 
     def __init__(self, cu_seqlens: torch.Tensor, num_tokens: int, block_size: int) -> None:
         check_cu_seqlens(cu_seqlens, num_tokens)
@@ -158,22 +159,21 @@ class PackedDocuments:
     def candidate_tiles(self) -> torch.Tensor:
         """bool [nB, nB]: ``candidate_tiles`` of the stream, computed at the first call."""
         if self._candidates is None:
-            with single_threaded_on_cpu(self.doc.device):
-                self._candidates = candidate_tiles(self.doc, self.block_size)
+            self._candidates = candidate_tiles(self.doc, self.block_size)
         return self._candidates
 
 
-def packed_documents(
-    cu_seqlens: torch.Tensor | PackedDocuments, num_tokens: int, block_size: int
+def as_packed_documents(
+    bounds: torch.Tensor | PackedDocuments, num_tokens: int, block_size: int
 ) -> PackedDocuments:
-    """``cu_seqlens`` as ``PackedDocuments``, or the ``PackedDocuments`` given, which must be of the same stream
-    length and block size."""
-    if not isinstance(cu_seqlens, PackedDocuments):
-        return PackedDocuments(cu_seqlens, num_tokens, block_size)
-    if (cu_seqlens.num_tokens, cu_seqlens.block_size) != (num_tokens, block_size):
-        raise ValueError(f"the packed documents are of {cu_seqlens.num_tokens} tokens in blocks of "
-                         f"{cu_seqlens.block_size}, the call's of {num_tokens} in blocks of {block_size}")
-    return cu_seqlens
+    """A stream's document ``bounds`` (``cu_seqlens``, or its ``PackedDocuments``) as ``PackedDocuments`` of
+    ``num_tokens`` tokens in blocks of ``block_size``."""
+    if not isinstance(bounds, PackedDocuments):
+        return PackedDocuments(bounds, num_tokens, block_size)
+    if (bounds.num_tokens, bounds.block_size) != (num_tokens, block_size):
+        raise ValueError(f"the packed documents are of {bounds.num_tokens} tokens in blocks of {bounds.block_size}, "
+                         f"the call's of {num_tokens} in blocks of {block_size}: make one per stream and block size")
+    return bounds
 
 
 def striped_blocks(num_blocks: int, world_size: int, rank: int, device=None) -> torch.Tensor:
@@ -272,7 +272,7 @@ class TileLayout:
         block_size: int,
     ) -> "TileLayout":
         """The layout of ``block_sparse_attention`` over a whole stream of ``num_tokens`` tokens."""
-        documents = packed_documents(cu_seqlens, num_tokens, block_size)
+        documents = as_packed_documents(cu_seqlens, num_tokens, block_size)
         with single_threaded_on_cpu(block_mask.device):
             kept = block_mask & documents.candidate_tiles()
             return TileLayout._from_tiles(kept, documents.doc, num_kv_heads, block_size)

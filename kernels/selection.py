@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from .attention import resolve_backend
 from .layout import (
     PackedDocuments,
+    as_packed_documents,
     candidate_tiles,
     check_power_of_two,
     check_qk,
     forced_tiles,
     group_doc_range,
     num_blocks,
-    packed_documents,
     striped_blocks,
 )
 from .ring import context_unshard, group_place
@@ -522,13 +522,13 @@ def _rank_stream(q, k, cu_seqlens, block_size, stride, scale, backend, options, 
     """``rank_blocks``, passing ``budgets`` to the ranking (``_rank_rows``)."""
     options = selection_options(**options)
     estimate, ranker, scale = _scoring(q, k, block_size, stride, scale, backend, options)
-    documents = packed_documents(cu_seqlens, q.shape[0], block_size)
+    documents = as_packed_documents(cu_seqlens, q.shape[0], block_size)
     return BlockRanking(*_rank_rows(q, k, documents, block_size, stride, scale, estimate, ranker, options=options,
                                     budgets=budgets, first=first))
 
 
 def _scoring(q, k, block_size: int, stride: int, scale, backend: str, options: dict):
-    """Checks the scoring arguments (``packed_documents`` checks the document bounds); returns (the backend's mass
+    """Checks the scoring arguments (``as_packed_documents`` checks the document bounds); returns (the backend's mass
     estimate, its ranking of the scored rows, scale)."""
     check_power_of_two("block_size", block_size)
     check_power_of_two("stride", stride)
@@ -623,7 +623,8 @@ def select_blocks(
 
     q [T, Hq, D] and k [T, Hkv, D] of one packed stream (GQA: each query head is scored against its KV head);
     cu_seqlens int32 [docs + 1], or the stream's ``PackedDocuments`` (made once for all layers); tau in (0, 1];
-    stride a power of two dividing block_size; max_density in (0, 1] or None; scale defaults to D ** -0.5. With ``return_stats`` returns ``(mask, SelectionStats)``.
+    stride a power of two dividing block_size; max_density in (0, 1] or None; scale defaults to D ** -0.5. With
+    ``return_stats`` returns ``(mask, SelectionStats)``.
     ``backend`` picks the scoring kernel like ``block_sparse_attention`` does. Not differentiable.
     ``rank_blocks(...).select(...)`` is the same in two steps, for several budgets or a tile budget.
     """
@@ -680,7 +681,8 @@ def select_with_budget(
     improving while the measured one does not.
     """
     budgets = ((budget.tau, budget.max_density), (base.tau, base.max_density))
-    documents = packed_documents(cu_seqlens, q.shape[0], block_size)
+    check_qk(q, k)  # before the bounds, whose check takes q's length
+    documents = as_packed_documents(cu_seqlens, q.shape[0], block_size)
     ranking = _rank_stream(q, k, documents, block_size, stride, scale, backend, options, budgets[:2 - (budget == base)],
                            first="mask" if budget.density_scale is None else "optional")
     return _select_budgeted(ranking, budget, base, documents.cu_seqlens, q.shape[0], block_size)
@@ -839,7 +841,7 @@ def _gather_stream(x: torch.Tensor, group, world_size: int, block_size: int) -> 
 def rank_blocks_striped(
     q: torch.Tensor,
     k: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | PackedDocuments,
     *,
     block_size: int,
     group=None,
@@ -873,7 +875,7 @@ def rank_blocks_striped(
     num_tokens = q.shape[0] * world_size
     options = selection_options(**options)
     estimate, ranker, scale = _scoring(q, k, block_size, stride, scale, backend, options)
-    documents = packed_documents(cu_seqlens, num_tokens, block_size)
+    documents = as_packed_documents(cu_seqlens, num_tokens, block_size)
     q_blocks = None
     if world_size > 1:  # the torch kernels score and rank a subset of the rows
         q_blocks = striped_blocks(num_blocks(num_tokens, block_size), world_size, rank, q.device)
@@ -888,7 +890,7 @@ def rank_blocks_striped(
 def select_blocks_striped(
     q: torch.Tensor,
     k: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | PackedDocuments,
     *,
     block_size: int,
     tau: float,
@@ -914,7 +916,7 @@ def select_blocks_striped(
 def select_with_budget_striped(
     q: torch.Tensor,
     k: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | PackedDocuments,
     budget: LayerBudget,
     base: LayerBudget,
     *,
@@ -930,7 +932,9 @@ def select_with_budget_striped(
     tiles summed over the group, one group-wide threshold), stats of this rank's rows, and every document's
     base density over the whole stream, the same on every rank. Collective: every rank of the group calls it
     with the same budgets."""
+    num_tokens = q.shape[0] * group_place(group)[0]
+    documents = as_packed_documents(cu_seqlens, num_tokens, block_size)
     ranking = rank_blocks_striped(
-        q, k, cu_seqlens, block_size=block_size, group=group, stride=stride, scale=scale, backend=backend, **options
+        q, k, documents, block_size=block_size, group=group, stride=stride, scale=scale, backend=backend, **options
     )
-    return _select_budgeted(ranking, budget, base, cu_seqlens, q.shape[0] * ranking.world_size, block_size)
+    return _select_budgeted(ranking, budget, base, documents.cu_seqlens, num_tokens, block_size)

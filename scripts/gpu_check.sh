@@ -13,9 +13,9 @@
 # 10-minute call: block-sparse attention forward and backward in Qwen2.5-0.5B's attention shape (14 query and 2 KV
 # heads, head dim 64, block 64, bf16) at 8K and 32K tokens against cuDNN's and FlexAttention's dense attention, at
 # densities 0.1, 0.25, 0.5 and 1.0, with the selection's share of the dense forward and the kernels, host
-# synchronisations and host time of one layer; a whole-model step of Qwen2.5-0.5B's dimensions at 32K tokens, dense against sparse
-# at density 0.25; the CUDA tests; the attention at 128K tokens. It ends with one table of the figures against their
-# targets. Each part's log and JSON land in $OUT as it ends (the device tool brings them back).
+# synchronisations and host time of one layer; a whole-model step of Qwen2.5-0.5B's dimensions at 32K tokens, dense
+# against sparse at density 0.25; the CUDA tests; the attention at 128K tokens. It ends with one table of the figures
+# against their targets. Each part's log and JSON land in $OUT as it ends (the device tool brings them back).
 set -uo pipefail
 # run from the repository root; the benchmarks import the package from this checkout, installed or not
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

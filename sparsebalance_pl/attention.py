@@ -187,10 +187,11 @@ class MicroBatch:
     selections: dict[int, BudgetedSelection] = field(default_factory=dict)
     stats: dict[int, LayerStats] = field(default_factory=dict)
     observed: bool = False
-    documents: PackedDocuments | None = None  # made by the first sparse layer, which knows T and the block size
+    documents: PackedDocuments | None = field(default=None, init=False, repr=False)  # the first layer knows T
 
-    def packed_documents(self, num_tokens: int, block_size: int) -> PackedDocuments:
-        """The stream's ``PackedDocuments``, made at the first layer that asks and shared by the others."""
+    def shared_documents(self, num_tokens: int, block_size: int) -> PackedDocuments:
+        """The stream's ``PackedDocuments``, made at the first layer that asks and shared by the others (whose
+        selection and attention refuse it if their length or block size differ)."""
         if self.documents is None:
             self.documents = PackedDocuments(self.cu_seqlens, num_tokens, block_size)
         return self.documents
@@ -479,7 +480,7 @@ def _sparse_attention(q, k, v, layer: int, batch: MicroBatch, config: AttentionC
     from sparsebalance_pl.kernels.layout import striped_blocks
 
     cp = batch.context_parallel
-    documents = None if cp.active else batch.packed_documents(q.shape[0], config.block_size)
+    documents = None if cp.active else batch.shared_documents(q.shape[0], config.block_size)
     mask = batch.masks.get(layer)
     if mask is None:  # an activation-checkpointing recomputation reuses the mask (and skips the collectives)
         settings = dict(block_size=config.block_size, stride=config.stride, scale=scale,

@@ -265,14 +265,18 @@ class _KernelBench:
             torch.randn(tokens, h, self.head_dim, device=device, dtype=dtype, requires_grad=grad) for h in shapes
         )
 
-    def _cu_seqlens(self, tokens: int, docs: int = 1) -> torch.Tensor:
-        return torch.linspace(0, tokens, docs + 1, device=self.kernels.device).round().to(torch.int32)
+    def _documents(self, tokens: int, docs: int = 1):
+        """The stream's ``PackedDocuments``, made outside the timed work as a model makes them once per micro-batch."""
+        from sparsebalance_pl.kernels import PackedDocuments
+
+        cu_seqlens = torch.linspace(0, tokens, docs + 1, device=self.kernels.device).round().to(torch.int32)
+        return PackedDocuments(cu_seqlens, tokens, self.kernels.block_size)
 
     def attention(self, length: int, density: float, docs: int = 1) -> Callable[[], None]:
         from sparsebalance_pl.kernels import block_sparse_attention, select_blocks
 
         q, k, v = self._qkv(length, grad=True)
-        cu = self._cu_seqlens(length, docs)
+        cu = self._documents(length, docs)
         block_size = self.kernels.block_size
         mask = select_blocks(
             q.detach(), k.detach(), cu, block_size=block_size, tau=1.0, stride=self.kernels.stride,
@@ -291,7 +295,7 @@ class _KernelBench:
         from sparsebalance_pl.kernels import select_blocks
 
         q, k, _ = self._qkv(tokens, grad=False)
-        cu = self._cu_seqlens(tokens, docs)
+        cu = self._documents(tokens, docs)
         kernels = self.kernels
         return lambda: select_blocks(q, k, cu, block_size=kernels.block_size, tau=0.9, stride=kernels.stride,
                                      **kernels.selection)

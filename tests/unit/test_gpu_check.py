@@ -57,8 +57,9 @@ def test_the_summary_counts_the_densities_each_backend_is_fastest_at_and_names_t
     figures = {"dense_ms": {"dense": 10.0, "cudnn": 8.0}, "selection_ms": 0.5, "dense_forward_ms": 4.0,
                "sparse": sparse}
     figures["failed"] = {"triton selected 0.1": "OutOfMemoryError: CUDA out of memory."}
-    figures["launches"] = {"triton base": {"kernels": 33, "host_syncs": 0, "host_ms": 0.42},
+    figures["launches"] = {"triton base": {"kernels": 25, "host_syncs": 0, "host_ms": 0.42},
                            "flex base": {"kernels": 30, "host_syncs": 0}}  # a file from before host times
+    figures["launches_per_micro_batch"] = 6
     (tmp_path / "attention_32768.json").write_text(json.dumps(figures))
     result = subprocess.run(["bash", "scripts/gpu_check.sh", "summary", str(tmp_path)], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
@@ -68,6 +69,7 @@ def test_the_summary_counts_the_densities_each_backend_is_fastest_at_and_names_t
     assert "| 32768: best sparse backend at density 1 / cuDNN | 1.125 | <= 1.25 |" in result.stdout
     assert "| 32768: triton selected 0.1 | failed: OutOfMemoryError: CUDA out of memory. |" in result.stdout
     assert "| 32768: host time per layer (triton base), ms | 0.420 |  |" in result.stdout
+    assert "| 32768: kernels once per micro-batch (documents the layers share) | 6 |  |" in result.stdout
     assert "| 32768: kernels and host syncs per layer (flex base) | 30, 0 | <= 40, 0 |" in result.stdout
     assert "host time per layer (flex base)" not in result.stdout
 
