@@ -276,16 +276,16 @@ class _KernelBench:
         from sparsebalance_pl.kernels import block_sparse_attention, select_blocks
 
         q, k, v = self._qkv(length, grad=True)
-        cu = self._documents(length, docs)
+        documents = self._documents(length, docs)
         block_size = self.kernels.block_size
         mask = select_blocks(
-            q.detach(), k.detach(), cu, block_size=block_size, tau=1.0, stride=self.kernels.stride,
+            q.detach(), k.detach(), documents, block_size=block_size, tau=1.0, stride=self.kernels.stride,
             max_density=None if density >= 1.0 else density,
         )
         grad_out = torch.randn_like(q)
 
         def run() -> None:
-            out = block_sparse_attention(q, k, v, mask, cu, block_size=block_size)
+            out = block_sparse_attention(q, k, v, mask, documents, block_size=block_size)
             out.backward(grad_out)
             q.grad = k.grad = v.grad = None
 
@@ -295,9 +295,9 @@ class _KernelBench:
         from sparsebalance_pl.kernels import select_blocks
 
         q, k, _ = self._qkv(tokens, grad=False)
-        cu = self._documents(tokens, docs)
+        documents = self._documents(tokens, docs)
         kernels = self.kernels
-        return lambda: select_blocks(q, k, cu, block_size=kernels.block_size, tau=0.9, stride=kernels.stride,
+        return lambda: select_blocks(q, k, documents, block_size=kernels.block_size, tau=0.9, stride=kernels.stride,
                                      **kernels.selection)
 
 
