@@ -128,7 +128,7 @@ def main(argv=None) -> None:
             max_density=max_density, return_stats=True,
         )
 
-    candidates = documents.candidate_tiles()
+    candidates = documents.candidates
     forced = forced_tiles(documents.doc, cu_seqlens, args.block_size)
 
     def scattered(density):
@@ -218,7 +218,7 @@ def main(argv=None) -> None:
     if args.count:
         figures["launches"], budgets = {}, layer_budgets(args.tau)
         with count_launches(as_device=True) as per_batch:  # what a model does once for all its layers
-            PackedDocuments(cu_seqlens, args.tokens, args.block_size).candidate_tiles()
+            PackedDocuments(cu_seqlens, args.tokens, args.block_size).candidates  # derives the document ids too
         figures["launches_per_micro_batch"] = per_batch.launches
         print(f"launches once per micro-batch (the documents every layer shares): {per_batch.launches}")
         for backend in backends:

@@ -143,21 +143,29 @@ def candidate_tiles(doc: torch.Tensor, block_size: int) -> torch.Tensor:
 
 class PackedDocuments:
     """The documents of one packed stream of ``num_tokens`` tokens, bounded by ``cu_seqlens``, with what every
-    layer's selection and attention derive from them in blocks of ``block_size``: each token's document (``doc``)
-    and, at first use, the candidate tiles. Made once per micro-batch and passed to each of its layers in place of
-    ``cu_seqlens``, it spares every layer the launches that would derive them again, and checks the bounds once.
-    Only the length and block size of a stream it is given with are checked: a new micro-batch needs a new one."""
+    layer's selection and attention derive from them in blocks of ``block_size``, each derived at its first use:
+    each token's document (``doc``) and the candidate tiles. Made once per micro-batch and passed to each of its
+    layers in place of ``cu_seqlens``, it spares every layer the launches that would derive them again, and checks
+    the bounds once. Only the length and block size of a stream it is given with are checked: a new micro-batch
+    needs a new one."""
 
     def __init__(self, cu_seqlens: torch.Tensor, num_tokens: int, block_size: int) -> None:
         check_cu_seqlens(cu_seqlens, num_tokens)
         check_power_of_two("block_size", block_size)
         self.cu_seqlens, self.num_tokens, self.block_size = cu_seqlens, num_tokens, block_size
-        with single_threaded_on_cpu(cu_seqlens.device):
-            self.doc = token_doc_ids(cu_seqlens, num_tokens)
+        self._doc: torch.Tensor | None = None
         self._candidates: torch.Tensor | None = None
 
-    def candidate_tiles(self) -> torch.Tensor:
-        """bool [nB, nB]: ``candidate_tiles`` of the stream, computed at the first call."""
+    @property
+    def doc(self) -> torch.Tensor:
+        """int64 [T]: ``token_doc_ids``."""
+        if self._doc is None:
+            self._doc = token_doc_ids(self.cu_seqlens, self.num_tokens)
+        return self._doc
+
+    @property
+    def candidates(self) -> torch.Tensor:
+        """bool [nB, nB]: ``candidate_tiles``."""
         if self._candidates is None:
             self._candidates = candidate_tiles(self.doc, self.block_size)
         return self._candidates
@@ -274,7 +282,7 @@ class TileLayout:
         """The layout of ``block_sparse_attention`` over a whole stream of ``num_tokens`` tokens."""
         documents = as_packed_documents(cu_seqlens, num_tokens, block_size)
         with single_threaded_on_cpu(block_mask.device):
-            kept = block_mask & documents.candidate_tiles()
+            kept = block_mask & documents.candidates
             return TileLayout._from_tiles(kept, documents.doc, num_kv_heads, block_size)
 
     @staticmethod

@@ -101,17 +101,17 @@ def _layer(num_tokens: int, docs: int, budget: LayerBudget, shared: bool = False
     gen = torch.Generator().manual_seed(num_tokens + docs)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v = (torch.randn(num_tokens, h, 16, generator=gen).to(device).requires_grad_() for h in (2, 1, 1))
-    cu_seqlens = torch.linspace(0, num_tokens, docs + 1).round().int().to(device)
+    bounds = torch.linspace(0, num_tokens, docs + 1).round().int().to(device)
     if shared:
-        cu_seqlens = PackedDocuments(cu_seqlens, num_tokens, 16)
-        cu_seqlens.candidate_tiles()
+        bounds = PackedDocuments(bounds, num_tokens, 16)
+        bounds.candidates  # derived before, by an earlier layer
     grad = torch.randn(num_tokens, 2, 16, generator=gen).to(device)
     with count_launches(as_device=device == "cpu") as count:
-        selection = select_with_budget(q.detach(), k.detach(), cu_seqlens, budget, LayerBudget(0.9), block_size=16,
+        selection = select_with_budget(q.detach(), k.detach(), bounds, budget, LayerBudget(0.9), block_size=16,
                                        stride=8, backend="triton")
         for stats in (selection.stats, selection.base_stats):
             stats.mean_density(), stats.mean_kept_mass()
-        out = block_sparse_attention(q, k, v, selection.mask, cu_seqlens, block_size=16, backend="triton")
+        out = block_sparse_attention(q, k, v, selection.mask, bounds, block_size=16, backend="triton")
         out.backward(grad)
     return count
 
