@@ -23,18 +23,34 @@ from .layout import PackedDocuments, TileLayout, as_packed_documents, check_atte
 BACKENDS = ("auto", "torch", "triton", "flex")
 
 
+# The oldest GPU architecture "auto" runs the Triton kernels on: below Ampere their tiles spill registers and
+# overflow shared memory, and FlexAttention has no compiled kernels there either.
+TRITON_MIN_CAPABILITY = (8, 0)
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """"auto" is triton on CUDA tensors and torch otherwise; triton on CPU needs TRITON_INTERPRET=1 (on meta
-    tensors nothing runs: ``cross_compile.compiling_for``); flex runs anywhere, but only forward on the CPU."""
+    """"auto" is triton on CUDA GPUs from Ampere on and torch otherwise; triton on CPU needs TRITON_INTERPRET=1 (on
+    meta tensors nothing runs: ``cross_compile.compiling_for``); flex runs anywhere, but only forward on the CPU."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" and _ampere_or_later(device) else "torch"
     if backend == "triton" and device.type == "meta" and not launches.compiling():
         raise ValueError("backend='triton' on meta tensors only compiles, inside cross_compile.compiling_for")
     if backend == "triton" and device.type not in ("cuda", "meta") and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported")
     return backend
+
+
+@torch.compiler.assume_constant_result  # read once when compiled, not traced
+def _ampere_or_later(device: torch.device) -> bool:
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _capability(index) >= TRITON_MIN_CAPABILITY
+
+
+@functools.cache  # a layer resolves its backend on every call
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 @functools.cache
@@ -79,7 +95,7 @@ def block_sparse_attention(
     Returns [T, Hq, D] in q's dtype, differentiable in q, k and v. A query with no allowed key gets output 0
     and zero gradients. ``backend``: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (any device,
     cost proportional to the kept tiles), "flex" (PyTorch's FlexAttention, compiled on CUDA; forward only on the
-    CPU), "auto" (triton on CUDA tensors, torch otherwise).
+    CPU), "auto" (triton on CUDA GPUs from Ampere on, torch otherwise).
     """
     check_attention_inputs(q, k, v, block_mask, block_size)
     documents = as_packed_documents(cu_seqlens, q.shape[0], block_size)

@@ -70,9 +70,9 @@ class AttentionConfig:
             attention mass reaches this fraction of its row (1.0 keeps every causal block).
         stride: antidiagonal scoring stride of the selection (power of two dividing block_size).
         max_density: optional cap on the kept fraction of causal blocks per query row, in (0, 1].
-        kernel_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch``, ``triton`` or ``flex`` (PyTorch's
-            FlexAttention for the attention, Triton for the selection; trains on CUDA only, and context-parallel
-            streams run the ring on the Triton kernels).
+        kernel_backend: ``auto`` (Triton on CUDA GPUs from Ampere on, torch otherwise), ``torch``, ``triton`` or
+            ``flex`` (PyTorch's FlexAttention for the attention, Triton for the selection; trains on CUDA only, and
+            context-parallel streams run the ring on the ``auto`` kernels).
         recall_rows: measure each layer's exact recall on about this many sampled query rows per training
             micro-batch, drawn per document so that a document is measured on the same rows however it is
             packed (0: off; the estimated recall of the selection is always reported).

@@ -3,6 +3,7 @@
 Triton runs compiled on CUDA tensors where a GPU exists and under the interpreter on CPU otherwise.
 """
 
+import functools
 import subprocess
 import sys
 
@@ -15,7 +16,8 @@ from main_runner import REPO
 from sparsebalance_pl.kernels import (
     LayerBudget, PackedDocuments, block_sparse_attention, reference_block_sparse_attention, select_with_budget,
 )
-from sparsebalance_pl.kernels.attention import _implementation
+from sparsebalance_pl.kernels import attention
+from sparsebalance_pl.kernels.attention import _implementation, resolve_backend
 from sparsebalance_pl.kernels.layout import TileLayout, pair_mask, token_doc_ids
 
 BACKENDS = [
@@ -161,6 +163,16 @@ def test_invalid_arguments_raise_clear_errors():
         call(q, k, v, mask, torch.tensor([0, 70], dtype=torch.int32), block_size=16)
     with pytest.raises(ValueError, match=r"\[T, H, D\]"):
         call(q[0], k, v, mask, cu, block_size=16)
+
+
+@pytest.mark.parametrize(("capability", "expected"), [((7, 5), "torch"), ((8, 0), "triton"), ((9, 0), "triton")])
+def test_auto_runs_triton_on_gpus_from_ampere_on(monkeypatch, capability, expected):
+    """Below Ampere (a T4) the Triton kernels spill and overflow shared memory: "auto" takes the torch kernels."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(attention, "_capability", functools.cache(attention._capability.__wrapped__))
+    assert resolve_backend("auto", torch.device("cuda", 0)) == expected
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend("triton", torch.device("cuda", 0)) == "triton"  # asked for by name: as asked
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
