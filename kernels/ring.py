@@ -43,13 +43,13 @@ from torch.autograd.function import once_differentiable
 
 from .attention import _implementation, resolve_backend
 from .layout import (
+    PackedDocuments,
     TileLayout,
+    as_packed_documents,
     check_block_mask,
-    check_cu_seqlens,
     check_power_of_two,
     check_qkv,
     striped_blocks,
-    token_doc_ids,
 )
 
 # Tags keep apart the messages that share a link: K/V and travelling dK/dV, on the inner and outer rings.
@@ -387,7 +387,7 @@ def sparse_ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_seqlens: torch.Tensor | PackedDocuments,
     *,
     block_size: int,
     group: dist.ProcessGroup | None = None,
@@ -401,7 +401,8 @@ def sparse_ring_attention(
     """``block_sparse_attention`` of a packed stream held block-striped by the ranks of ``group``.
 
     q [T/W, Hq, D], k and v [T/W, Hkv, D]: this rank's ``context_shard`` rows of a stream of T tokens (T a
-    multiple of W * block_size); cu_seqlens: the stream's global int32 [docs + 1]; block_mask: the global bool
+    multiple of W * block_size); cu_seqlens: the stream's global int32 [docs + 1], or its ``PackedDocuments`` of T
+    tokens (made once for all layers); block_mask: the global bool
     [Hq, T/B, T/B], or only this rank's rows of it, [Hq, T/(B W), T/B] in the rank's order (``mask[:,
     striped_blocks(T/B, W, rank)]``: W times less memory to keep for a recomputation), None for every causal
     block (dense ring attention from the same code). ``group``: the
@@ -430,7 +431,7 @@ def sparse_ring_attention(
             f"a stream padded to a multiple of world_size * block_size = {world_size * block_size}"
         )
     num_tokens = q.shape[0] * world_size
-    check_cu_seqlens(cu_seqlens, num_tokens)
+    documents = as_packed_documents(cu_seqlens, num_tokens, block_size)
     if block_mask is not None:
         rows_of = world_size if block_mask.shape[1:2] == (q.shape[0] // block_size,) else 1
         check_block_mask(block_mask, q.shape[1], num_tokens, block_size, q.device, rows_of=rows_of)
@@ -439,8 +440,8 @@ def sparse_ring_attention(
         raise ValueError("ring attention runs on the torch or triton backend; flex attends whole streams only")
     impl = _implementation(resolved)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    doc = token_doc_ids(cu_seqlens.to(q.device), num_tokens)
-    sinks = sink_blocks(cu_seqlens.to(q.device), num_tokens // block_size, block_size, world_size)
+    doc = documents.doc.to(q.device)
+    sinks = sink_blocks(documents.cu_seqlens.to(q.device), num_tokens // block_size, block_size, world_size)
     ring = _Ring(group, world_size, rank, node_size, layouts=[], label=f" ({label})" if label else "",
                  wait_timer=wait_timer, sinks=sinks)
     ring.layouts.extend(

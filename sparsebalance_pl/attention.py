@@ -462,8 +462,9 @@ def _ring_attention(q, k, v, mask, layer: int, batch: MicroBatch, config: Attent
 
     cp = batch.context_parallel
     backend = "auto" if config.kernel_backend == "flex" else config.kernel_backend  # the ring has no flex kernels
+    documents = batch.shared_documents(q.shape[0] * cp.size, config.block_size)
     return sparse_ring_attention(
-        q, k, v, batch.cu_seqlens, block_size=config.block_size, group=cp.group, block_mask=mask,
+        q, k, v, documents, block_size=config.block_size, group=cp.group, block_mask=mask,
         backend=backend, scale=scale, node_size=cp.node_size, label=f"layer {layer}",
         wait_timer=batch.ring_timer,
     )
@@ -480,15 +481,15 @@ def _sparse_attention(q, k, v, layer: int, batch: MicroBatch, config: AttentionC
     from sparsebalance_pl.kernels.layout import striped_blocks
 
     cp = batch.context_parallel
-    documents = None if cp.active else batch.shared_documents(q.shape[0], config.block_size)
+    documents = batch.shared_documents(q.shape[0] * cp.size, config.block_size)  # the whole stream's
     mask = batch.masks.get(layer)
     if mask is None:  # an activation-checkpointing recomputation reuses the mask (and skips the collectives)
         settings = dict(block_size=config.block_size, stride=config.stride, scale=scale,
                         backend=config.kernel_backend, **config.selection_options())
         budget, base = batch.budgets[layer], batch.base_budgets[layer]
         if cp.active:
-            selection = select_with_budget_striped(q.detach(), k.detach(), batch.cu_seqlens, budget, base,
-                                                   group=cp.group, **settings)
+            selection = select_with_budget_striped(q.detach(), k.detach(), documents, budget, base, group=cp.group,
+                                                   **settings)
         else:
             selection = select_with_budget(q.detach(), k.detach(), documents, budget, base, **settings)
         mask = selection.mask

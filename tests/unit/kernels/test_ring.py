@@ -7,6 +7,7 @@ import torch
 from attention_cases import TRITON_OK
 
 from sparsebalance_pl.kernels import (
+    PackedDocuments,
     block_sparse_attention,
     context_shard,
     context_unshard,
@@ -95,8 +96,11 @@ def test_ring_of_one_equals_block_sparse_attention(backend, with_mask):
     out = sparse_ring_attention(q, k, v, cu, block_size=16, block_mask=mask if with_mask else None, backend=backend)
     want = block_sparse_attention(q, k, v, mask if with_mask else torch.ones_like(mask), cu, block_size=16,
                                   backend=backend)
+    shared = sparse_ring_attention(q, k, v, PackedDocuments(cu, q.shape[0], 16), block_size=16,
+                                   block_mask=mask if with_mask else None, backend=backend)
     grad = torch.randn_like(out)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(shared, out, rtol=0, atol=0)  # the layers' shared documents in place of the bounds
     for got, expected in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
         torch.testing.assert_close(got, expected, rtol=1e-12 if dtype == torch.float64 else 1e-6, atol=1e-12)
 
