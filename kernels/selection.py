@@ -30,7 +30,6 @@ from .attention import resolve_backend
 from .layout import (
     PackedDocuments,
     as_packed_documents,
-    candidate_tiles,
     check_power_of_two,
     check_qk,
     forced_tiles,
@@ -564,16 +563,16 @@ def rank_keys(mass: torch.Tensor, candidates: torch.Tensor, forced: torch.Tensor
     return (forced.long() << 52) | (candidates.long() << 51) | (bits << 20) | (_BLOCK_BITS - blocks)
 
 
-def rank_block_mass(mass: torch.Tensor, doc: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
-                    sink_blocks: int, local_blocks: int, q_blocks: torch.Tensor | None = None,
-                    budgets: tuple = (), first: str | None = None) -> tuple:
+def rank_block_mass(mass: torch.Tensor, documents: PackedDocuments, sink_blocks: int, local_blocks: int,
+                    q_blocks: torch.Tensor | None = None, budgets: tuple = (), first: str | None = None) -> tuple:
     """Each row of estimated block masses ``mass`` [Hq, nQ, nB] ranked by ``rank_keys``, for the query blocks
-    ``q_blocks`` (None: every block) of the stream with token documents ``doc``: (candidate and forced blocks
-    per query block [nQ], order, sorted_mass, cumulative [Hq, nQ, nB], as ``BlockRanking`` holds them, and the
-    budgets applied on the way, none here: ``budgets`` and ``first`` serve the Triton ranking, which applies
-    them in the same launch)."""
-    candidates = candidate_tiles(doc, block_size)
-    forced = forced_tiles(doc, cu_seqlens, block_size, sink_blocks, local_blocks) & candidates
+    ``q_blocks`` (None: every block) of the stream of ``documents``: (candidate and forced blocks per query block
+    [nQ], order, sorted_mass, cumulative [Hq, nQ, nB], as ``BlockRanking`` holds them, and the budgets applied on
+    the way, none here: ``budgets`` and ``first`` serve the Triton ranking, which applies them in the same
+    launch)."""
+    candidates = documents.candidates
+    forced = forced_tiles(documents.doc, documents.cu_seqlens, documents.block_size, sink_blocks, local_blocks)
+    forced = forced & candidates
     if q_blocks is not None:
         candidates, forced = candidates[q_blocks], forced[q_blocks]
     order = rank_keys(mass, candidates, forced).argsort(dim=-1, descending=True)
@@ -594,8 +593,7 @@ def _rank_rows(q, k, documents: PackedDocuments, block_size: int, stride: int, s
         doc = documents.doc
         mass = estimate(q, k, doc, block_size, stride, scale)
         candidates, forced, order, sorted_mass, cumulative, known = ranker(
-            mass, doc, documents.cu_seqlens, block_size, options["sink_blocks"], options["local_blocks"], q_blocks,
-            budgets, first,
+            mass, documents, options["sink_blocks"], options["local_blocks"], q_blocks, budgets, first
         )
         probe = None
         if options["recall_probes"]:

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .attention_triton import tile_columns, tile_rows
 from .launches import launch
-from .layout import check_window, next_power_of_two, num_blocks
+from .layout import PackedDocuments, check_window, next_power_of_two, num_blocks
 
 _LOG2E = 1.4426950408889634
 
@@ -196,9 +196,8 @@ def _rank_kernel(
 _MAX_RANKED_BLOCKS = 4096
 
 
-def rank_block_mass(mass: torch.Tensor, doc: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
-                    sink_blocks: int, local_blocks: int, q_blocks: torch.Tensor | None = None,
-                    budgets: tuple = (), first: str | None = None) -> tuple:
+def rank_block_mass(mass: torch.Tensor, documents: PackedDocuments, sink_blocks: int, local_blocks: int,
+                    q_blocks: torch.Tensor | None = None, budgets: tuple = (), first: str | None = None) -> tuple:
     """``selection.rank_block_mass`` in one Triton launch (whole streams of at most ``_MAX_RANKED_BLOCKS``
     blocks; others go to torch), which also applies up to two ``budgets`` (tau, max_density) to every row:
     returns the ranking's fields and ``{budget: KnownBudget}``, the first budget's with its mask (``first`` =
@@ -208,8 +207,9 @@ def rank_block_mass(mass: torch.Tensor, doc: torch.Tensor, cu_seqlens: torch.Ten
 
     num_q_heads, _, nb = mass.shape
     if q_blocks is not None or nb > _MAX_RANKED_BLOCKS:
-        return rank_torch(mass, doc, cu_seqlens, block_size, sink_blocks, local_blocks, q_blocks)
+        return rank_torch(mass, documents, sink_blocks, local_blocks, q_blocks)
     check_window(sink_blocks, local_blocks)
+    doc, cu_seqlens, block_size = documents.doc, documents.cu_seqlens, documents.block_size
     device = mass.device
     order = torch.empty(mass.shape, dtype=torch.int64, device=device)
     sorted_mass, cumulative = torch.empty_like(mass), torch.empty_like(mass)
