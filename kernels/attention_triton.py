@@ -245,12 +245,6 @@ def _check_dtype(q: torch.Tensor) -> None:
         raise ValueError(f"the triton backend supports float32, float16 and bfloat16, got {q.dtype}")
 
 
-def _doc(layout: TileLayout) -> torch.Tensor:
-    if "doc32" not in layout.scratch:
-        layout.scratch["doc32"] = layout.doc.to(torch.int32)
-    return layout.scratch["doc32"]
-
-
 def lse_like(q: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
     """An empty log-sum-exp of ``forward``'s shape and dtype."""
     return q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
@@ -270,7 +264,7 @@ def forward(
     lists = layout.lists()
     launch(
         _fwd_kernel, grid,
-        q, k, v, out, lse, _doc(layout), lists.count, lists.index,
+        q, k, v, out, lse, layout.doc, lists.count, lists.index,
         scale * _LOG2E.value, num_tokens, layout.num_blocks, *_strides(q, k, v, out), **meta,
     )
     return out, lse
@@ -294,7 +288,7 @@ def backward(
     meta = _launch_meta(q, layout)
     common = (scale * _LOG2E.value, scale, num_tokens, layout.num_blocks)
     grid_q = (layout.num_blocks * (layout.block_size // meta["BLOCK_M"]), num_q_heads)
-    doc, lists = _doc(layout), layout.lists()
+    doc, lists = layout.doc, layout.lists()
     launch(
         _dq_kernel, grid_q,
         q, k, v, out, grad_out, dq, lse, delta, doc, lists.count, lists.index,

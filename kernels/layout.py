@@ -119,10 +119,10 @@ def next_power_of_two(n: int) -> int:
 
 
 def token_doc_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Document index of every token, int64 [T]: how many documents end at or before it (empty documents own
-    no token). Fixed shapes, nothing read back from the device."""
+    """Document index of every token, int32 [T] (as the Triton kernels read it): how many documents end at or before
+    it (empty documents own no token). Fixed shapes, nothing read back from the device."""
     positions = torch.arange(num_tokens, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
-    return torch.searchsorted(cu_seqlens[1:], positions, right=True)
+    return torch.searchsorted(cu_seqlens[1:], positions, right=True, out_int32=True)
 
 
 def group_doc_range(doc: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +158,7 @@ class PackedDocuments:
 
     @property
     def doc(self) -> torch.Tensor:
-        """int64 [T]: ``token_doc_ids``."""
+        """int32 [T]: ``token_doc_ids``."""
         if self._doc is None:
             self._doc = token_doc_ids(self.cu_seqlens, self.num_tokens)
         return self._doc
@@ -270,7 +270,7 @@ class TileLayout:
     num_blocks: int
     num_q_heads: int
     num_kv_heads: int
-    doc: torch.Tensor  # int64 [T]
+    doc: torch.Tensor  # int32 [T]
     kept: torch.Tensor  # bool [Hq, nB, nB]
     scratch: dict = field(default_factory=dict, compare=False, repr=False)  # per-backend derived data
 

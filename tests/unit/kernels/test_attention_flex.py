@@ -5,7 +5,10 @@ import pytest
 import torch
 from attention_cases import check_against_reference, packed_case, relative_error
 
-from sparsebalance_pl.kernels import block_sparse_attention, reference_block_sparse_attention, select_blocks
+from sparsebalance_pl.kernels import attention_flex, block_sparse_attention, reference_block_sparse_attention
+from sparsebalance_pl.kernels import select_blocks
+from sparsebalance_pl.kernels.attention_flex import FLEX_BLOCK
+from sparsebalance_pl.kernels.layout import TileLayout
 
 CUDA = torch.cuda.is_available()
 
@@ -33,6 +36,22 @@ def test_forward_matches_reference_on_masks_of_the_real_selection():
         mask = select_blocks(q, k, cu, block_size=16, tau=tau, stride=4, backend="torch")
         assert not mask.all()
         assert forward_matches_reference(q, k, v, mask, cu, block_size=16) <= 1e-5
+
+
+@pytest.mark.parametrize("block_size", [32, 64, 256])
+def test_flex_blocks_of_several_tiles_are_full_only_when_all_their_tiles_are(block_size):
+    """FlexAttention's blocks are at least FLEX_BLOCK tokens: smaller tiles are grouped, a group is a full block only
+    where every tile in it is kept and needs no token mask, and a partial block masks the tiles it does not keep."""
+    num_tokens = 4 * max(block_size, FLEX_BLOCK) + 40  # a padded tail
+    q, k, v, mask, _ = packed_case(6, num_tokens, 4, 2, 16, block_size, keep=0.8)
+    cu = torch.tensor([0, 70, num_tokens], dtype=torch.int32)  # a long document: blocks below the diagonal are full
+    all_kept = torch.ones_like(mask)
+    for kept in (mask, all_kept):
+        flex = attention_flex.block_mask(TileLayout.build(kept, cu, num_tokens, 2, block_size))
+        assert flex.BLOCK_SIZE == (max(block_size, FLEX_BLOCK),) * 2
+        assert flex.kv_num_blocks.sum() > 0  # partial blocks
+        assert forward_matches_reference(q, k, v, kept, cu, block_size=block_size) <= 1e-5
+    assert flex.full_kv_num_blocks.sum() > 0  # with every tile kept, the blocks below the diagonal are full
 
 
 def test_rows_without_allowed_keys_give_zero():
