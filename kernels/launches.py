@@ -9,8 +9,8 @@ Both can be counted on the CPU, where the same ops run: a ``TorchDispatchMode`` 
 them. Under ``TRITON_INTERPRET=1`` the interpreter's own tensor traffic inside a launch is not counted: on a
 GPU a launch is one call.
 
-Work run on other threads (the torch backend's worker threads, the autograd engine's device threads) is not
-seen; count with one torch thread on the CPU. With ``as_device``, CPU tensors stand in for device ones: the
+The autograd engine's device threads inherit the modes, so a GPU's backward is counted too; other threads (the
+torch backend's worker threads) are not seen: count with one torch thread on the CPU. With ``as_device``, CPU tensors stand in for device ones: the
 checks that read a tensor only where reading is free (``host_readable``) are skipped, as on a device.
 
 ``host_side_only`` runs the work as a GPU's host would, less Triton's own launches, so that its host time can be
@@ -20,7 +20,6 @@ layer (Python, op dispatch, launches) is the layer's time.
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -66,20 +65,25 @@ class LaunchCount:
         return f"{self.launches} launches ({sum(self.triton.values())} Triton), {self.host_syncs} host syncs ({syncs})"
 
 
-_state = threading.local()
+class _State:
+    """What the contexts below have switched on, for every thread: the autograd engine runs a GPU's backward on a
+    thread of its own, which inherits the counting modes and so must see the same counts."""
+
+    def __init__(self) -> None:
+        self.counts: list[LaunchCount] = []
+        self.paused = 0
+        self.as_device = 0
+        self.compiling: list | None = None
+        self.skipping = 0
 
 
-def _active() -> list[LaunchCount]:
-    if not hasattr(_state, "counts"):
-        _state.counts, _state.paused, _state.as_device, _state.compiling, _state.skipping = [], 0, 0, None, 0
-    return _state.counts
+_state = _State()
 
 
 def host_readable(x: torch.Tensor) -> bool:
     """Whether reading ``x`` on the host is free: a CPU tensor (unless ``count_launches(as_device=True)`` is
     counting), not one whose read would stall a device, and not while torch.compile traces (a read would break
     its graph)."""
-    _active()
     return x.device.type == "cpu" and not _state.as_device and not torch.compiler.is_compiling()
 
 
@@ -89,7 +93,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     may take (``_fitting_stages``)."""
     import triton  # imported by the kernel already
 
-    counts = _active()
+    counts = _state.counts
     compile_only = _state.compiling is not None
     if compile_only and any(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in args):
         raise RuntimeError(f"{_kernel_name(kernel)}: kernels are compiled here, not run: pass meta tensors")
@@ -144,7 +148,6 @@ def _kernel_name(kernel) -> str:
 
 def compiling() -> bool:
     """Whether ``launch`` compiles instead of running here (inside ``compiled_not_run``)."""
-    _active()
     return _state.compiling is not None
 
 
@@ -152,7 +155,6 @@ def compiling() -> bool:
 def compiled_not_run():
     """Inside, ``launch`` compiles each kernel through Triton's ``warmup`` instead of running it, and appends the
     compiled kernel to the yielded list: ``cross_compile.compiling_for`` points Triton at a GPU that is not here."""
-    _active()
     compiled: list = []
     previous, _state.compiling = _state.compiling, compiled
     try:
@@ -226,7 +228,6 @@ def host_side_only():
     host's share of a layer on the CPU, with the Triton backend under TRITON_INTERPRET=1, at a small size so that
     the aten ops left compute next to nothing; on the device path nothing the host does depends on a kernel's
     output (no host reads), so it takes a GPU's steps, but for the CPU's own thread settings."""
-    _active()
     _state.skipping += 1
     _state.as_device += 1
     try:
@@ -238,15 +239,15 @@ def host_side_only():
 
 @contextmanager
 def count_launches(as_device: bool = False):
-    """Counts the launches and host synchronisations of the work inside (this thread): yields a ``LaunchCount``.
+    """Counts the launches and host synchronisations of the work inside (this thread, and the autograd engine's):
+    yields a ``LaunchCount``.
     ``as_device``: CPU tensors stand in for device ones (module docstring)."""
     count = LaunchCount()
-    counts = _active()
-    counts.append(count)
+    _state.counts.append(count)
     _state.as_device += as_device
     try:
         with _HostReadCounter(count), _OpCounter(count):
             yield count
     finally:
         _state.as_device -= as_device
-        counts.remove(count)
+        _state.counts.remove(count)
