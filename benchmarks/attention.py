@@ -214,7 +214,14 @@ def main(argv=None) -> None:
         "dense_ms": {name.removesuffix(" fwd+bwd"): med[name] * 1e3 for name in med if "fwd+bwd" in name},
         "sparse": [{"backend": backend, "mask": kind, "density": d, "ms": med[(backend, kind, d)] * 1e3}
                    for (kind, d) in masks for backend in backends if (backend, kind, d) in med],
+        "failed": failed,
     }
+
+    def save() -> None:  # as each part ends: a run cut short by a time limit keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=1))
+
+    save()
     if args.count:
         figures["launches"], budgets = {}, layer_budgets(args.tau)
         with count_launches(as_device=True) as per_batch:  # what a model does once for all its layers
@@ -234,7 +241,8 @@ def main(argv=None) -> None:
                                                             "host_ms": host_ms}
                 host = "" if host_ms is None else f", host time: {host_ms:.3f} ms"
                 print(f"launches per layer ({backend}, {name} budget: selection, attention forward and backward): "
-                      f"{launched}, host syncs: {syncs}{host}")
+                      f"{'not measured' if launched is None else launched}, host syncs: {syncs}{host}")
+                save()
     # the first sparse variant that ran
     if args.profile and (first := next((key for key in times if isinstance(key, tuple)), None)) is not None:
         with torch.profiler.profile() as prof:
@@ -242,9 +250,7 @@ def main(argv=None) -> None:
         print(f"where one call of {' '.join(map(str, first))} spends its time:")
         print(prof.key_averages().table(sort_by="self_device_time_total" if device.type == "cuda"
                                         else "self_cpu_time_total", row_limit=12))
-    figures["failed"] = failed
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=1))
+    save()
     if failed:
         raise SystemExit(f"{len(failed)} variant(s) failed: {', '.join(failed)}")
 
@@ -330,8 +336,8 @@ def compile_layer(args: argparse.Namespace) -> None:
 
 def layer_launches(q, k, v, grad, documents, block_size, stride, budget, base, backend):
     """(kernels launched, host synchronisations, the host's median ms) of ``run_layer`` on the stream's
-    ``PackedDocuments``; no host time for the torch backend on the CPU, whose kernels are the host's own work, nor
-    for a layer that synchronises."""
+    ``PackedDocuments``; no kernel count where the profiler sees no CUDA kernel, no host time for the torch backend
+    on the CPU, whose kernels are the host's own work, nor for a layer that synchronises."""
 
     def layer():
         run_layer(q, k, v, grad, documents, block_size, stride, budget, base, backend)
@@ -356,9 +362,9 @@ def layer_launches(q, k, v, grad, documents, block_size, stride, budget, base, b
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-    kernels = -1 if profile is None else sum(
+    kernels = None if profile is None else sum(
         1 for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
-    )
+    ) or None  # none seen: the profiler could not trace the device (no CUPTI), not a layer without kernels
     # a layer that synchronises waits for the GPU: its time would not be the host's
     return kernels, syncs, host_time_ms(layer, q.device) if syncs == 0 else None
 

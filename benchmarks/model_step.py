@@ -101,6 +101,17 @@ def main(argv=None) -> None:
     times: dict[str, list[float]] = {name: [] for name in modules}
     density: dict[str, float | None] = {}
     failed: dict[str, str] = {}  # variant -> why it did not run
+
+    def figures() -> dict:
+        base = statistics.median(times["dense"])
+        return {name: {"density": 1.0 if density[name] is None else density[name], "ms": statistics.median(t) * 1e3,
+                       "of_dense": statistics.median(t) / base} for name, t in times.items()}
+
+    def save(variants: dict) -> None:  # after every round: a run cut short by a time limit keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps({"lengths": args.lengths, "dtype": args.dtype, "variants": variants,
+                                                   "failed": failed}))
+
     for rep in range(args.reps + 1):  # the first round warms up (and compiles Triton kernels)
         for name, module in list(modules.items()):
             seconds = attempt(name, failed, step, module)
@@ -111,26 +122,18 @@ def main(argv=None) -> None:
                 times[name].append(seconds)
             density[name] = module.sparse_attention.micro_batch.mean_density()
         if "dense" in failed:  # what every ratio needs: only the reasons are left to keep
-            if args.json:
-                Path(args.json).write_text(json.dumps({"lengths": args.lengths, "failed": failed}))
+            save({})
             raise SystemExit(f"dense failed: {failed['dense']}")
-    base = statistics.median(times["dense"])
+        save(figures() if rep else {})
     where = args.init or f"preset {args.preset}"
     print(f"{where}, documents {args.lengths}, {args.dtype} on {args.device}, threads {torch.get_num_threads()}, "
           f"median of {args.reps}")
     print(f"{'variant':<20}{'density':>9}{'ms':>10}{'/ dense':>9}{'spread':>8}")
-    figures = {}
-    for name, t in times.items():
-        d = density[name]
-        med = statistics.median(t)
-        spread = statistics.pstdev(t) / statistics.fmean(t)  # how steadily this machine times one step
-        print(f"{name:<20}{1.0 if d is None else d:>9.3f}{med * 1e3:>10.1f}{med / base:>9.3f}{spread:>8.3f}")
-        figures[name] = {"density": 1.0 if d is None else d, "ms": med * 1e3, "of_dense": med / base}
+    for name, figure in figures().items():
+        spread = statistics.pstdev(times[name]) / statistics.fmean(times[name])  # how steadily one step times
+        print(f"{name:<20}{figure['density']:>9.3f}{figure['ms']:>10.1f}{figure['of_dense']:>9.3f}{spread:>8.3f}")
     for name, why in failed.items():
         print(f"{name:<20}  failed: {why}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"lengths": args.lengths, "dtype": args.dtype, "variants": figures,
-                                               "failed": failed}))
     if failed:
         raise SystemExit(f"{len(failed)} variant(s) failed: {', '.join(failed)}")
 

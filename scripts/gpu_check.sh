@@ -15,7 +15,7 @@
 # densities 0.1, 0.25, 0.5 and 1.0, with the selection's share of the dense forward and the kernels, host
 # synchronisations and host time of one layer; a whole-model step of Qwen2.5-0.5B's dimensions at 32K tokens, dense
 # against sparse at density 0.25; the CUDA tests; the attention at 128K tokens. It ends with one table of the figures
-# against their targets. Each part's log and JSON land in $OUT as it ends (the device tool brings them back).
+# against their targets. Each part's log and JSON land in $OUT, the JSON as it measures, so that a part cut short by its cap keeps what it measured (the device tool brings them back).
 set -uo pipefail
 # run from the repository root; the benchmarks import the package from this checkout, installed or not
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -147,8 +147,8 @@ attention() {  # $1: index into lengths; $2: seconds allowed; then any further o
 # A short run first compiles the Triton kernels and FlexAttention into their on-disk caches, so that a slow first
 # compilation cannot cost a measured part its figures.
 stamp "compiling at $warm tokens"
-timeout 130 python3 benchmarks/attention.py --device "$device" --dtype "$dtype" "${heads[@]}" --tokens "$warm" \
-  --densities 0.25 1.0 --masks selected --reps 1 2>&1 | tail -3
+timeout 120 python3 benchmarks/attention.py --device "$device" --dtype "$dtype" "${heads[@]}" --tokens "$warm" \
+  --densities 0.25 1.0 --masks selected --reps 1 2>&1 | tee "$OUT/compiling.log" | tail -3
 attention 0 80 --count
 attention 1 90 --count
 stamp "model step"
@@ -156,9 +156,10 @@ timeout 130 python3 benchmarks/model_step.py "${model[@]}" --dtype "$dtype" --de
   --max-densities 0.25 --attention "flex cap=0.25:kernel_backend=flex,tau=1.0,max_density=0.25" \
   --json "$OUT/model_step.json" 2>&1 | tee "$OUT/model_step.log" | tail -8
 stamp "CUDA tests"
-timeout 90 python3 -m pytest -q "${tests[@]}" -p no:cacheprovider tests/unit/kernels tests/unit/test_cuda.py 2>&1 \
-  | tee "$OUT/cuda_tests.log" | tail -12
-attention 2 60  # counts are the same at every length (tests); host time matters where kernels are short
+# test_cuda.py first (pytest keeps the order); SIGINT lets pytest print its result line when the time is up
+timeout -s INT 85 python3 -m pytest -q "${tests[@]}" -p no:cacheprovider tests/unit/test_cuda.py tests/unit/kernels \
+  2>&1 | tee "$OUT/cuda_tests.log" | tail -12
+attention 2 50  # counts are the same at every length (tests); host time matters where kernels are short
 stamp "summary"
 summary "$OUT" | tee "$OUT/summary.md"
 stamp done
