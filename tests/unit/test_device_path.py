@@ -6,7 +6,8 @@ after the backward, lies outside."""
 import numpy as np
 import pytest
 import torch
-from attention_cases import TRITON_OK
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from attention_cases import TRITON_OK, device_for
 
 from sparsebalance_pl.attention import AttentionConfig
 from sparsebalance_pl.datamodules.packing import collate_packed
@@ -25,11 +26,13 @@ def test_no_host_read_inside_the_layers_forward_or_backward(moved):
     module = SparseCausalLM(model=ModelConfig(preset="demo", overrides=TINY),
                             attention=AttentionConfig(block_size=16, stride=8, kernel_backend="triton"))
     module.configure_model()
+    device = device_for("triton")  # a GPU where there is one, else the interpreter on the CPU
+    module.to(device)
     if moved:  # what DST writes before a micro-batch: another tau and a tile bound in every layer
         budgets = module.sparse_attention.budgets
         budgets[:] = [LayerBudget(0.95, None, 0.7) for _ in budgets]
     rng = np.random.default_rng(0)
-    batch = collate_packed([{"tokens": rng.integers(0, 512, n)} for n in (40, 60, 28)])
+    batch = move_data_to_device(collate_packed([{"tokens": rng.integers(0, 512, n)} for n in (40, 60, 28)]), device)
     layers = decoder_layers(module.net.hf)
     reads = {}
     with count_launches(as_device=True) as count:
