@@ -282,12 +282,11 @@ def equal_documents(tokens: int, docs: int, device: torch.device) -> torch.Tenso
 
 
 def run_layer(q, k, v, grad, cu_seqlens, block_size, stride, budget, base, backend) -> None:
-    """One layer's selection (with the densities and estimated recalls a module logs) and attention, forward and
-    backward, at ``budget`` against ``base``; ``cu_seqlens`` may be the stream's ``PackedDocuments``."""
+    """One layer's selection and attention, forward and backward, at ``budget`` against ``base``; ``cu_seqlens`` may
+    be the stream's ``PackedDocuments``. What a module logs of the selection it reduces over all layers at once, after
+    the backward (``sparsebalance_pl.attention.layer_means``): no work of a layer's."""
     selection = select_with_budget(q.detach(), k.detach(), cu_seqlens, budget, base, block_size=block_size,
                                    stride=stride, backend=backend)
-    for stats in (selection.stats, selection.base_stats):
-        stats.mean_density(), stats.mean_kept_mass()
     out = block_sparse_attention(q, k, v, selection.mask, cu_seqlens, block_size=block_size, backend=backend)
     torch.autograd.grad(out, (q, k, v), grad)
 

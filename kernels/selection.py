@@ -648,13 +648,19 @@ def _selected(ranking: BlockRanking, tau: float, max_density: float | None, retu
 class BudgetedSelection:
     """A layer's selection under a ``LayerBudget``: the block mask, what it kept (``SelectionStats``), what the
     base budget would have kept from the same ranking (``base_stats``: a moved budget's density and estimated
-    recall against the base's are what tuning buys and costs), and each document's density at the base budget
-    [docs] (what predicts the cost of later batches)."""
+    recall against the base's are what tuning buys and costs), and each document's tiles at the base budget
+    (``base_document_tiles`` [2, docs]: kept, and candidate, tiles over all heads), whose density predicts the
+    cost of later batches."""
 
     mask: torch.Tensor
     stats: SelectionStats
     base_stats: SelectionStats
-    base_document_density: torch.Tensor
+    base_document_tiles: torch.Tensor
+
+    @property
+    def base_document_density(self) -> torch.Tensor:
+        """[docs] each document's kept over candidate tiles at the base budget (``tile_density``)."""
+        return tile_density(self.base_document_tiles)
 
 
 def select_with_budget(
@@ -703,12 +709,12 @@ def _select_budgeted(ranking: BlockRanking, budget: LayerBudget, base: LayerBudg
                                      _max_tiles(ranking, budget, None if own else base_stats.kept))
     base_stats = stats if own else base_stats  # static runs and evaluation use the base itself
     if known_base is not None and known_base.document_tiles is not None:  # counted by the ranking kernel
-        base_density = _density(*known_base.document_tiles, 1)
+        base_tiles = known_base.document_tiles
     else:
-        kept, covered = _document_tiles(base_stats.kept, ranking.candidates, cu_seqlens, num_tokens, block_size,
-                                        ranking.q_blocks)
-        base_density = _density(ranking._total(kept), ranking._total(covered), base_stats.kept.shape[0])
-    return BudgetedSelection(mask, stats, base_stats, base_density)
+        tiles = _document_tiles(base_stats.kept, ranking.candidates, cu_seqlens, num_tokens, block_size,
+                                ranking.q_blocks)
+        base_tiles = ranking._total(tiles)
+    return BudgetedSelection(mask, stats, base_stats, base_tiles)
 
 
 def _max_tiles(ranking: BlockRanking, budget: LayerBudget, base_kept: torch.Tensor | None):
@@ -728,26 +734,27 @@ def document_density(
     A query block shared by two documents counts for the one it starts in; exact for block-aligned documents.
     A document starting no block (shorter than one, inside another's) is dense: it sees only forced blocks.
     """
-    kept, covered = _document_tiles(kept_rows, candidates, cu_seqlens, num_tokens, block_size)
-    return _density(kept, covered, kept_rows.shape[0])
+    return tile_density(_document_tiles(kept_rows, candidates, cu_seqlens, num_tokens, block_size))
 
 
-def _document_tiles(kept_rows, candidates, cu_seqlens, num_tokens, block_size, q_blocks=None):
-    """([docs] kept tiles over all heads, [docs] candidate tiles of one head) of the query blocks ``q_blocks``
-    (None: all), each counted for the document it starts in; int64, so sums over ranks are exact."""
+def _document_tiles(kept_rows, candidates, cu_seqlens, num_tokens, block_size, q_blocks=None) -> torch.Tensor:
+    """[2, docs]: the kept and the candidate tiles over all heads of the query blocks ``q_blocks`` (None: all), each
+    counted for the document it starts in; int64, so sums over ranks are exact."""
     block_starts = torch.arange(0, num_tokens, block_size, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
     block_doc = torch.searchsorted(cu_seqlens[1:], block_starts, right=True)
     if q_blocks is not None:
         block_doc = block_doc[q_blocks]
     per_doc = candidates.new_zeros(2, len(cu_seqlens) - 1)
-    per_doc.index_add_(1, block_doc, torch.stack([kept_rows.sum(0), candidates]))
-    return per_doc[0], per_doc[1]
+    per_doc.index_add_(1, block_doc, torch.stack([kept_rows.sum(0), candidates * kept_rows.shape[0]]))
+    return per_doc
 
 
-def _density(kept_per_doc: torch.Tensor, covered: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Kept over candidate tiles of each document (a row never keeps more than its candidates); 1 where a document
-    starts no block."""
-    return torch.where(covered > 0, kept_per_doc / (covered if num_heads == 1 else covered * num_heads), 1.0)
+def tile_density(tiles: torch.Tensor) -> torch.Tensor:
+    """Kept over candidate tiles, from ``tiles`` [..., 2, docs] (kept, candidate) of each document (a row never keeps
+    more than its candidates); 1 where a document starts no block. Elementwise: the documents of many layers at
+    once."""
+    kept, covered = tiles.unbind(-2)
+    return torch.where(covered > 0, kept / covered, 1.0)
 
 
 # Selection for context parallelism: a stream held block-striped by the ranks of a group (``ring.py``).

@@ -24,6 +24,7 @@ model is called with the keyword ``sparse_attention`` (``PackedCausalLM`` does t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,7 +41,9 @@ from sparsebalance_pl.cost.latency import LatencyModel, cost_dims
 from sparsebalance_pl.distributed import gather_objects
 from sparsebalance_pl.errors import ConfigError
 from sparsebalance_pl.kernels import PackedDocuments
-from sparsebalance_pl.kernels.selection import SELECTION_OPTIONS, BudgetedSelection, LayerBudget, selection_options
+from sparsebalance_pl.kernels.selection import (
+    SELECTION_OPTIONS, BudgetedSelection, LayerBudget, selection_options, tile_density,
+)
 from sparsebalance_pl.timing import AttentionTimer
 
 __all__ = [
@@ -141,30 +144,56 @@ def _is_power_of_two(n: int) -> bool:
 
 @dataclass
 class LayerStats:
-    """What one layer's selection kept, as tensors (no host sync inside the forward).
+    """What one layer's selection kept: the tensors the selection made, kept as they are, so that the forward spends
+    no launch and no host read on statistics; ``layer_means`` reduces every layer's at once after the backward.
 
-    ``base_document_density`` [docs]: each document's kept fraction of causal tiles had the layer used its
-    base budget, counted from the same ranking (query blocks count for the document of their first token);
-    ``base_density`` and ``base_estimated_recall`` are the layer's at the base budget, likewise; ``recall`` and
-    ``base_recall`` the exact ones on the same sampled rows, when measured, and then ``probe_moves`` [2, 2]:
-    (density, exact recall) of each of ``price_probes`` minus the base budget's, on those rows.
+    ``kept`` and ``kept_mass`` [Hq, rows]: each row's kept blocks and estimated kept share of its attention mass at
+    the budget in use, ``base_kept`` and ``base_kept_mass`` the same at the base budget, from the same ranking;
+    ``candidates`` [rows]: each row's candidate blocks; ``base_document_tiles`` [2, docs]: each document's kept and
+    candidate tiles at the base budget (query blocks count for the document of their first token). ``recall`` and
+    ``base_recall``: the exact recalls on sampled rows, when measured, and then ``probe_moves`` [2, 2]: (density,
+    exact recall) of each of ``price_probes`` minus the base budget's, on those rows.
     """
 
-    density: torch.Tensor
-    estimated_recall: torch.Tensor
-    base_document_density: torch.Tensor
-    base_density: torch.Tensor
-    base_estimated_recall: torch.Tensor
+    kept: torch.Tensor
+    kept_mass: torch.Tensor
+    base_kept: torch.Tensor
+    base_kept_mass: torch.Tensor
+    candidates: torch.Tensor
+    base_document_tiles: torch.Tensor
     recall: torch.Tensor | None = None
     base_recall: torch.Tensor | None = None
     probe_moves: torch.Tensor | None = None
+
+    @staticmethod
+    def of(selection: BudgetedSelection) -> "LayerStats":
+        stats, base = selection.stats, selection.base_stats
+        return LayerStats(stats.kept, stats.kept_mass, base.kept, base.kept_mass, stats.candidates,
+                          selection.base_document_tiles)
+
+
+def layer_means(layers: list[LayerStats]) -> dict[str, torch.Tensor]:
+    """[L] each layer's density (kept over candidate tiles) and mean estimated recall, at the budget in use and at
+    the base budget, and [docs] each document's base density averaged over the layers: a few ops for all layers."""
+
+    def stacked(name: str) -> torch.Tensor:
+        return torch.stack([getattr(stats, name) for stats in layers])
+
+    candidate_tiles = stacked("candidates").sum(-1) * layers[0].kept.shape[0]
+    return {
+        "density": stacked("kept").sum((1, 2)) / candidate_tiles,
+        "estimated_recall": stacked("kept_mass").float().mean((1, 2)),
+        "base_density": stacked("base_kept").sum((1, 2)) / candidate_tiles,
+        "base_estimated_recall": stacked("base_kept_mass").float().mean((1, 2)),
+        "base_document_density": tile_density(stacked("base_document_tiles")).mean(0),
+    }
 
 
 @dataclass
 class MicroBatch:
     """The attention's state for one micro-batch's forward and backward (``SparseAttention.begin`` makes it).
 
-    ``budgets`` are those in use; ``base_budgets`` those against which ``LayerStats.base_document_density`` is
+    ``budgets`` are those in use; ``base_budgets`` those against which ``LayerStats.base_document_tiles`` are
     counted. With ``recall_rows`` > 0 each layer's exact recall is measured on about that many sampled query rows,
     outside the timed region (costs rows x T per head; not under context parallelism, where a rank lacks the
     other ranks' keys), at the budget in use and, on the same rows, at the base budget and at its
@@ -201,7 +230,7 @@ class MicroBatch:
         return self.recall_rows > 0 and not self.context_parallel.active
 
     def mean_density(self) -> float | None:
-        return _mean_of(s.density for s in self.stats.values())
+        return float(layer_means(list(self.stats.values()))["density"].mean()) if self.stats else None
 
     def mean_recall(self) -> float | None:
         return _mean_of(s.recall for s in self.stats.values() if s.recall is not None)
@@ -339,16 +368,18 @@ class SparseAttention:
         if not batch.stats:
             dense = [1.0] * self.num_layers
             return SparsityReport(dense, dense, [1.0] * docs, batch.timer.seconds(), ring_seconds=ring_seconds)
-        layers = [batch.stats[i] for i in sorted(batch.stats)]
+        means = layer_means([batch.stats[i] for i in sorted(batch.stats)])
+        values = iter(torch.cat([x.double() for x in means.values()]).tolist())  # one read back for all of them
+        numbers = {name: list(itertools.islice(values, x.numel())) for name, x in means.items()}
         return SparsityReport(
-            density=[float(s.density) for s in layers],
-            estimated_recall=[float(s.estimated_recall) for s in layers],
-            base_document_density=torch.stack([s.base_document_density for s in layers]).mean(0).tolist(),
+            density=numbers["density"],
+            estimated_recall=numbers["estimated_recall"],
+            base_document_density=numbers["base_document_density"],
             attention_seconds=batch.timer.seconds(),
             recall=batch.mean_recall(),
             ring_seconds=ring_seconds,
-            base_density=[float(s.base_density) for s in layers],
-            base_estimated_recall=[float(s.base_estimated_recall) for s in layers],
+            base_density=numbers["base_density"],
+            base_estimated_recall=numbers["base_estimated_recall"],
             base_recall=batch.mean_base_recall(),
             probe_moves=batch.mean_probe_moves(),
             measurement_seconds=batch.measurement_timer.seconds(),
@@ -498,13 +529,7 @@ def _sparse_attention(q, k, v, layer: int, batch: MicroBatch, config: AttentionC
         if cp.active:  # the ring reads only this rank's rows: keep W times less for the recomputation
             mask = mask[:, striped_blocks(mask.shape[1], cp.size, cp.rank, mask.device)]
         batch.masks[layer] = mask
-        batch.stats[layer] = LayerStats(
-            density=selection.stats.mean_density(),
-            estimated_recall=selection.stats.mean_kept_mass(),
-            base_document_density=selection.base_document_density,
-            base_density=selection.base_stats.mean_density(),
-            base_estimated_recall=selection.base_stats.mean_kept_mass(),
-        )
+        batch.stats[layer] = LayerStats.of(selection)
     if cp.active:
         return _ring_attention(q, k, v, mask, layer, batch, config, scale)
     return block_sparse_attention(

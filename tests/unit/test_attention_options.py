@@ -8,10 +8,11 @@ from main_runner import error_of
 
 from sparsebalance_pl import attention as attention_module
 from sparsebalance_pl import kernels
-from sparsebalance_pl.attention import AttentionConfig, SparseAttention
+from sparsebalance_pl.attention import AttentionConfig, LayerStats, SparseAttention, layer_means
 from sparsebalance_pl.context_parallel import ContextParallel
 from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.errors import ConfigError
+from sparsebalance_pl.kernels import LayerBudget
 from sparsebalance_pl.kernels.selection import SELECTION_OPTIONS
 from sparsebalance_pl.model import ModelConfig
 from sparsebalance_pl.module import SparseCausalLM
@@ -33,18 +34,19 @@ def _qkv(tokens: int = 128):
 def test_options_reach_both_selection_calls(monkeypatch, striped):
     seen = {}
     real = kernels.select_with_budget
+    rows = torch.tensor([0, 128], dtype=torch.int32)  # one rank's striped rows of 256 tokens, as a whole stream here
 
-    def recording(*args, **kwargs):
+    def recording(q, k, documents, *args, **kwargs):
         seen.update(kwargs)
         kwargs.pop("group", None)
-        return real(*args, **kwargs)  # one rank's striped rows are the whole stream's rows here
+        return real(q, k, rows, *args, **kwargs)
 
     monkeypatch.setattr(kernels, "select_with_budget_striped" if striped else "select_with_budget", recording)
     monkeypatch.setattr(attention_module, "_ring_attention", lambda q, *args: torch.zeros_like(q))
     q, k, v = _qkv()
     cfg = AttentionConfig(block_size=16, stride=4, kernel_backend="torch", **OPTIONS)
     sparse = SparseAttention({**TINY, "num_layers": 1, "head_dim": 16, "vocab_size": 256}, cfg)
-    cu_seqlens = torch.tensor([0, 128], dtype=torch.int32)
+    cu_seqlens = torch.tensor([0, 256 if striped else 128], dtype=torch.int32)  # the whole stream's
     batch = sparse.begin(cu_seqlens, training=False, context_parallel=ContextParallel(size=2 if striped else 1))
     sparse.attend(0, q, k, v, cu_seqlens)
     assert {name: seen[name] for name in OPTIONS} == OPTIONS
@@ -97,3 +99,23 @@ def test_a_bad_option_on_the_command_line_is_named(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     err = error_of(capsys, "--model.attention.estimate=pooled")
     assert "attention.estimate" in err and "sampled" in err, err
+
+
+@pytest.mark.parametrize("budget", [LayerBudget(0.5), LayerBudget(0.7, None, 0.6)], ids=["base", "moved"])
+def test_layer_means_reduce_all_layers_as_each_selection_would(budget):
+    """What the forward keeps of each layer's selection, reduced for all layers at once after the backward, equals
+    each selection's own means."""
+    cu_seqlens = torch.tensor([0, 50, 128], dtype=torch.int32)
+    base, selections = LayerBudget(0.5), []
+    for seed in range(3):
+        q, k, _ = (x * (1 + seed) for x in _qkv())
+        selections.append(kernels.select_with_budget(q, k, cu_seqlens, budget, base, block_size=16, stride=4,
+                                                     backend="torch"))
+    means = layer_means([LayerStats.of(selection) for selection in selections])
+    for name, per_layer in (("density", lambda s: s.stats.mean_density()),
+                            ("estimated_recall", lambda s: s.stats.mean_kept_mass()),
+                            ("base_density", lambda s: s.base_stats.mean_density()),
+                            ("base_estimated_recall", lambda s: s.base_stats.mean_kept_mass())):
+        torch.testing.assert_close(means[name], torch.stack([per_layer(s).float() for s in selections]))
+    documents = torch.stack([selection.base_document_density for selection in selections]).mean(0)
+    torch.testing.assert_close(means["base_document_density"], documents)
