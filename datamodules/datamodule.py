@@ -204,6 +204,9 @@ class LongContextDataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
+        # The splits are built once, by global rank 0, in data_dir on the filesystem every node shares (as the
+        # checkpoints and the latency table are): one builder per node would write the same folder at once.
+        self.prepare_data_per_node = False
         if batching.rank_budget > batching.max_tokens:
             raise ConfigError(
                 f"data.batching.tokens_per_rank={batching.rank_budget} must not exceed data.batching.max_tokens="

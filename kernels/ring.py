@@ -132,7 +132,10 @@ class _Ring:
 
 class _Transfer:
     """A tensor on its way to the next rank of a link while the previous rank's arrives; on a link of one
-    rank the tensor comes straight back. Holds the sent tensor until the transfer is done."""
+    rank the tensor comes straight back. Holds the sent tensor until the transfer is done. The send and the receive
+    are posted as one batch: NCCL would otherwise run them one after the other, each rank's send waiting for a
+    receive its neighbour posts only after its own send, a ring that never moves once a message outgrows NCCL's
+    buffers."""
 
     def __init__(self, ring: _Ring, tensor: torch.Tensor, tag: int, outer: bool = False) -> None:
         self.rank, self.sent, self.label, self.timer = ring.rank, tensor, ring.label, ring.wait_timer
@@ -141,10 +144,10 @@ class _Transfer:
             self.received, self.requests = tensor, []
             return
         self.received = torch.empty_like(tensor)
-        self.requests = [
-            dist.isend(tensor, group=ring.group, group_dst=destination, tag=tag),
-            dist.irecv(self.received, group=ring.group, group_src=self.source, tag=tag),
-        ]
+        self.requests = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, tensor, group=ring.group, tag=tag, group_peer=destination),
+            dist.P2POp(dist.irecv, self.received, group=ring.group, tag=tag, group_peer=self.source),
+        ])
 
     def wait(self, step: int, what: str) -> torch.Tensor:
         if self.timer is not None and self.requests:
@@ -356,6 +359,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, impl, scale):
         out, lse, step_lse, sink_kv, sink_lse = _forward(ring, impl, q, k, v, scale)
+        if q.is_cuda:  # every layer keeps its ring's layouts until its backward: their block lists would fill the GPU
+            for layout in ring.layouts if ring.sink_layout is None else [*ring.layouts, ring.sink_layout]:
+                layout.release()
         optional = [sink_kv, sink_lse, *step_lse]
         ctx.save_for_backward(q, k, v, out, lse, *(x for x in optional if x is not None))
         ctx.ring, ctx.impl, ctx.scale = ring, impl, scale

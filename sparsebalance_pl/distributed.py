@@ -59,8 +59,8 @@ def gather_floats(values: Sequence[float], device: torch.device | str = "cpu", g
     local = torch.tensor(list(values), dtype=torch.float64, device=device)
     if not is_distributed(group):
         return local[None].cpu().numpy()
-    out = torch.empty(world_size(group) * local.numel(), dtype=torch.float64, device=device)  # gloo wants it flat
-    dist.all_gather_single(out, local, group=group)
+    out = torch.empty(world_size(group) * local.numel(), dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(out, local, group=group)
     return out.view(world_size(group), local.numel()).cpu().numpy()
 
 

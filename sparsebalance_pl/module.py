@@ -151,9 +151,10 @@ class SparseCausalLM(L.LightningModule):
         never raises.
 
         The table must reach the longest stream the run trains (the data module's ``max_tokens``, as
-        ``main.py profile`` measures), else the model's context length. With profiling on, rank 0 profiles and
-        saves the table while the others wait, then every rank loads the same file, so all ranks start from
-        identical predictions.
+        ``main.py profile`` measures), else the model's context length. With several ranks, rank 0 alone reads
+        the table (or profiles and saves it) and hands every rank its model: ranks that predicted differently
+        (one that could not read the file would take the prior) would plan different epochs and wait on each
+        other's collectives forever.
         """
         device = self.trainer.strategy.root_device
         dtype = training_dtype(self.trainer.precision, device)
@@ -163,13 +164,13 @@ class SparseCausalLM(L.LightningModule):
             return analytic_prior(config, kernels)
         batching = getattr(self.trainer.datamodule, "batching", None)
         longest = getattr(batching, "max_tokens", self.dims.max_position_embeddings)
-        settings = dict(max_length=longest, progress=False)
-        if self.latency_profile and self.trainer.world_size > 1:
-            if self.trainer.is_global_zero:
-                latency_model_for_run(self.latency_table, config, kernels, profile=True, **settings)
-            self.trainer.strategy.barrier("latency_profile")
-        profile = self.latency_profile and self.trainer.world_size == 1
-        return latency_model_for_run(self.latency_table, config, kernels, profile=profile, **settings)
+        settings = dict(profile=self.latency_profile, max_length=longest, progress=False)
+        if self.trainer.world_size == 1:
+            return latency_model_for_run(self.latency_table, config, kernels, **settings)
+        model = None
+        if self.trainer.is_global_zero:
+            model = latency_model_for_run(self.latency_table, config, kernels, **settings)
+        return self.trainer.strategy.broadcast(model, src=0)
 
     def begin_micro_batch(self, batch: dict, measure_recall: bool = False) -> SparseAttention:
         """The sparse attention, its micro-batch begun for ``batch``: at the tuned budgets in training and the base

@@ -6,8 +6,8 @@ inside a forward pass saves between the layers' all-gathers and the run crashes 
 got mixed torch.Tensor and DTensor") or hangs (Lightning issue #21406). ``SlurmRequeue`` only notes the
 signal in the handler. At the end of the next optimiser step (the last micro-batch it accumulates) the ranks
 agree on it (one all-reduce of a flag), save ``hpc_ckpt_<n>.ckpt`` into ``trainer.default_root_dir``
-together and write out their logs, rank 0 runs ``scontrol requeue`` and training stops, without the
-validation pass an early stop would otherwise run. The requeued job's ``fit`` resumes from that checkpoint
+together and stop training, without the validation pass an early stop would otherwise run; once Lightning has
+logged that step, they write out their logs and rank 0 runs ``scontrol requeue``. The requeued job's ``fit`` resumes from that checkpoint
 by itself: under SLURM, without a ``ckpt_path``, Lightning resumes from the newest ``hpc_ckpt_*`` of the
 default root directory.
 """
@@ -49,6 +49,7 @@ class SlurmRequeue(Callback):
         self._environment: SLURMEnvironment | None = None
         self._previous_handler = None
         self._signalled = False
+        self._saved: str | None = None  # the checkpoint saved on the signal, until the job is requeued
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         environment = getattr(trainer.strategy, "cluster_environment", None)
@@ -56,7 +57,7 @@ class SlurmRequeue(Callback):
             return
         environment.auto_requeue = False  # Lightning installs its in-handler save only while this is on
         self._environment = environment
-        self._signalled = False
+        self._signalled, self._saved = False, None
         self._previous_handler = signal.signal(environment.requeue_signal, self._note_signal)
 
     def _note_signal(self, signum: int, frame) -> None:
@@ -70,17 +71,31 @@ class SlurmRequeue(Callback):
         if not trainer.strategy.reduce_boolean_decision(self._signalled, all=False):
             return
         # One name for every rank: each listing the folder on its own could see another rank's new checkpoint.
-        path = trainer.strategy.broadcast(next_hpc_checkpoint(trainer.default_root_dir))
-        trainer.save_checkpoint(path)
-        for logger in trainer.loggers:  # scontrol requeue ends this job at once: write out the logs first
+        self._saved = trainer.strategy.broadcast(next_hpc_checkpoint(trainer.default_root_dir))
+        trainer.save_checkpoint(self._saved)
+        # Stop without the validation pass Lightning runs when training stops early: the requeue's SIGTERM
+        # would cut it off. (With trainer.min_steps not yet reached Lightning goes on; the requeue then comes
+        # at the next batch's start, and SLURM ends the job.)
+        trainer.limit_val_batches = 0
+        trainer.should_stop = True
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        self._requeue_saved(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._requeue_saved(trainer)
+
+    def _requeue_saved(self, trainer: L.Trainer) -> None:
+        """Requeues the job once the step that saved has been logged (Lightning logs a step's metrics after its
+        batch-end hooks): ``scontrol requeue`` ends the job at once, so the logs are written out first."""
+        if self._saved is None:
+            return
+        for logger in trainer.loggers:
             logger.finalize("finished")
         trainer.strategy.barrier("slurm_requeue")
         if trainer.is_global_zero:
-            _requeue(path)
-        # Stop without the validation pass Lightning runs when training stops early: the requeue's SIGTERM
-        # would cut it off. (With trainer.min_steps not yet reached Lightning goes on; SLURM then ends the job.)
-        trainer.limit_val_batches = 0
-        trainer.should_stop = True
+            _requeue(self._saved)
+        self._saved = None
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._restore()
