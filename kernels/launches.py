@@ -10,8 +10,9 @@ them. Under ``TRITON_INTERPRET=1`` the interpreter's own tensor traffic inside a
 GPU a launch is one call.
 
 The autograd engine's device threads inherit the modes, so a GPU's backward is counted too; other threads (the
-torch backend's worker threads) are not seen: count with one torch thread on the CPU. With ``as_device``, CPU tensors stand in for device ones: the
-checks that read a tensor only where reading is free (``host_readable``) are skipped, as on a device.
+torch backend's worker threads) are not seen: count with one torch thread on the CPU. With ``as_device``, CPU
+tensors stand in for device ones: the checks that read a tensor only where reading is free (``host_readable``)
+are skipped, as on a device.
 
 ``host_side_only`` runs the work as a GPU's host would, less Triton's own launches, so that its host time can be
 timed on any machine: a GPU runs the kernels while the host goes on, so where they are short the host's time per
