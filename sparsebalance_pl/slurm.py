@@ -7,9 +7,9 @@ got mixed torch.Tensor and DTensor") or hangs (Lightning issue #21406). ``SlurmR
 signal in the handler. At the end of the next optimiser step (the last micro-batch it accumulates) the ranks
 agree on it (one all-reduce of a flag), save ``hpc_ckpt_<n>.ckpt`` into ``trainer.default_root_dir``
 together and stop training, without the validation pass an early stop would otherwise run; once Lightning has
-logged that step, they write out their logs and rank 0 runs ``scontrol requeue``. The requeued job's ``fit`` resumes from that checkpoint
-by itself: under SLURM, without a ``ckpt_path``, Lightning resumes from the newest ``hpc_ckpt_*`` of the
-default root directory.
+logged that step, they write out their logs and rank 0 runs ``scontrol requeue``. The requeued job's ``fit``
+resumes from that checkpoint by itself: under SLURM, without a ``ckpt_path``, Lightning resumes from the newest
+``hpc_ckpt_*`` of the default root directory.
 """
 
 from __future__ import annotations
