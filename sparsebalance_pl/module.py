@@ -258,6 +258,8 @@ class SparseCausalLM(L.LightningModule):
             optimizer.zero_grad(set_to_none=True)
             self.skip_update = False
             return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the backward's queued kernels are not the optimiser's time
         start = time.perf_counter()
         optimizer.step()
         if self.device.type == "cuda":
@@ -297,11 +299,12 @@ class SparseCausalLM(L.LightningModule):
         observed = []
         was_training = self.training
         self.eval()  # base budgets
-        for i in range(rank, -(-len(batches) // world) * world, world):
-            batch = batches[min(i, len(batches) - 1)]  # a rank short of work repeats one: forwards are collective
-            self(move_data_to_device(batch, self.device), measure_recall=True)
-            if i < len(batches):
-                observed.append(self.sparse_attention.record())
+        with self.trainer.precision_plugin.forward_context():  # in the training's precision (bf16 autocast)
+            for i in range(rank, -(-len(batches) // world) * world, world):
+                batch = batches[min(i, len(batches) - 1)]  # a rank short of work repeats one: forwards are collective
+                self(move_data_to_device(batch, self.device), measure_recall=True)
+                if i < len(batches):
+                    observed.append(self.sparse_attention.record())
         self.train(was_training)
         records = [record for part in gather_objects(observed) for record in part]
         if not records:

@@ -133,6 +133,22 @@ def test_density_calibration_prices_recall_by_length_before_the_first_step():
         assert cut > 0 and raised > 0 and cut != 1.0 and raised != 1.0, (pack, cut, raised)
 
 
+def test_density_calibration_runs_in_the_training_precision(monkeypatch):
+    """The calibration's forwards select from the q and k training computes (bf16 under bf16-mixed), not fp32's."""
+    module = SparseCausalLM(model=ModelConfig(preset="demo", overrides=TINY),
+                            attention=AttentionConfig(block_size=64, stride=16, kernel_backend="torch"))
+    module.configure_model()
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", logger=False,
+                               enable_progress_bar=False, enable_model_summary=False)
+    autocast, forward = [], SparseCausalLM.forward
+    monkeypatch.setattr(SparseCausalLM, "forward",
+                        lambda self, *args, **kwargs: autocast.append(torch.is_autocast_enabled("cpu"))
+                        or forward(self, *args, **kwargs))
+    rng = np.random.default_rng(0)
+    module.calibrate_density([collate_packed([{"tokens": rng.integers(0, 512, 256)}])])
+    assert autocast == [True]
+
+
 class _Streams(L.LightningDataModule):
     """A data module whose longest stream is ``batching.max_tokens``, as ``LongContextDataModule``'s."""
 
