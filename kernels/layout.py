@@ -380,6 +380,11 @@ class TileLayout:
             self.scratch["rows"] = TileRows(row_ptr, row, kb, self.partial()[qb, kb])
         return self.scratch["rows"]
 
+    def release(self) -> None:
+        """Drops what backends derived (``scratch``), which a backend derives again where it needs it: a layout kept
+        from a forward until its backward then holds its tiles only."""
+        self.scratch.clear()
+
     def lists(self, transposed: bool = False) -> TileLists:
         """Kept key blocks per query block, or with ``transposed`` kept query blocks per key block (``TileLists``)."""
         key = "lists_t" if transposed else "lists"

@@ -34,7 +34,7 @@ transfers overlapping a whole inner ring. A flat ring is one node.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -101,41 +101,18 @@ class WaitTimer(Protocol):
 @dataclass
 class _Ring:
     """The group, this rank's place in it as (node, local rank) with ``node_size`` neighbouring ranks per
-    node, and what its steps' tile layouts are built from: ``block_mask`` (as ``sparse_ring_attention`` takes it),
-    the stream's token documents ``doc``, the query and KV heads and the block size. Step o over nodes, inner step i
-    within the node, attends the K/V of rank ((node - o) mod N) * L + (local - i) mod L. A flat ring is one node of
-    W ranks."""
+    node, and one tile layout per step in schedule order: outer step o over nodes, inner step i within the
+    node, K/V of rank ((node - o) mod N) * L + (local - i) mod L. A flat ring is one node of W ranks."""
 
     group: dist.ProcessGroup | None
     world_size: int
     rank: int
     node_size: int
-    block_mask: torch.Tensor | None
-    doc: torch.Tensor
-    heads: tuple[int, int]
-    block_size: int
+    layouts: list[TileLayout]
     label: str = ""
     wait_timer: WaitTimer | None = None
     sinks: torch.Tensor | None = None  # bool [nB]: key blocks every rank holds a copy of (see ``sink_blocks``)
-    _layouts: tuple[list[TileLayout], TileLayout | None] | None = field(default=None, init=False, repr=False)
-
-    def layouts(self) -> tuple[list[TileLayout], TileLayout | None]:
-        """The steps' layouts in schedule order, and the sink step's (None without sinks), built where first asked.
-        The forward drops them (``forget_layouts``) and the backward builds them again: a layer kept for its
-        backward then holds its block mask, not its steps' tiles and block lists (gigabytes over a model's layers
-        at 512K tokens)."""
-        if self._layouts is None:
-            build = dict(world_size=self.world_size, rank=self.rank, sinks=self.sinks)
-            steps = [TileLayout.build_ring_step(self.block_mask, self.doc, *self.heads, self.block_size,
-                                                source=self.source(outer, inner), **build)
-                     for outer in range(self.num_nodes) for inner in range(self.node_size)]
-            sink = None if self.sinks is None else TileLayout.build_sink_step(self.block_mask, self.doc, *self.heads,
-                                                                              self.block_size, **build)
-            self._layouts = (steps, sink)
-        return self._layouts
-
-    def forget_layouts(self) -> None:
-        self._layouts = None
+    sink_layout: TileLayout | None = None  # this rank's tiles against them
 
     @property
     def num_nodes(self) -> int:
@@ -226,12 +203,11 @@ def _forward(ring: _Ring, impl, q, k, v, scale):
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
     step_lse = []
     sink_kv = sink_lse = None
-    layouts, sink_layout = ring.layouts()
-    if sink_layout is not None:
-        sink_kv = _sink_rows(ring, torch.stack([k, v]), sink_layout.block_size)
-        sink_lse = _attend_step(impl, sink_layout, q, sink_kv, scale, out, lse)
+    if ring.sink_layout is not None:
+        sink_kv = _sink_rows(ring, torch.stack([k, v]), ring.sink_layout.block_size)
+        sink_lse = _attend_step(impl, ring.sink_layout, q, sink_kv, scale, out, lse)
     outer_kv = torch.stack([k, v])  # one message per step
-    steps = iter(enumerate(layouts))
+    steps = iter(enumerate(ring.layouts))
     for outer in range(ring.num_nodes):
         last_outer = outer == ring.num_nodes - 1
         if not last_outer:  # the next node's K/V arrive while the whole inner ring computes
@@ -333,8 +309,7 @@ def _backward(ring: _Ring, impl, q, k, v, out, lse, step_lse, sink_kv, sink_lse,
     acc = _accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     outer_kv = torch.stack([k, v])
-    layouts, sink_layout = ring.layouts()
-    steps = iter(enumerate(zip(layouts, step_lse)))
+    steps = iter(enumerate(zip(ring.layouts, step_lse)))
     grads: _Transfer | None = None  # the dK/dV partials in flight, within a node and across nodes; each is
     outer_grads: _Transfer | None = None  # sent before it is first waited on (inner > 0, outer > 0, the end)
     for outer in range(ring.num_nodes):
@@ -369,12 +344,13 @@ def _backward(ring: _Ring, impl, q, k, v, out, lse, step_lse, sink_kv, sink_lse,
     if sink_kv is not None:  # every rank's part of the sink blocks' gradients, summed, to the blocks' owners
         sink_grads = torch.zeros(sink_kv.shape, dtype=acc, device=q.device)
         if sink_lse is not None:
-            dq_step, sink_grads = _step_backward(impl, sink_layout, q, sink_kv, out, lse, sink_lse, grad_out, scale)
+            dq_step, sink_grads = _step_backward(impl, ring.sink_layout, q, sink_kv, out, lse, sink_lse, grad_out,
+                                                 scale)
             dq += dq_step
             sink_grads = sink_grads.to(acc)
         _group_sum(ring, sink_grads, f"after ring step {step} (their gradients)")
         owned, local_blocks = _owned_sinks(ring)
-        block = sink_layout.block_size
+        block = ring.sink_layout.block_size
         dkv.unflatten(1, (-1, block))[:, local_blocks] += sink_grads.unflatten(1, (-1, block))[:, owned]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
@@ -383,7 +359,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, impl, scale):
         out, lse, step_lse, sink_kv, sink_lse = _forward(ring, impl, q, k, v, scale)
-        ring.forget_layouts()  # every layer keeps its ring until its backward, which builds them again
+        if q.is_cuda:  # every layer keeps its ring's layouts until its backward: their block lists would fill the GPU
+            for layout in ring.layouts if ring.sink_layout is None else [*ring.layouts, ring.sink_layout]:
+                layout.release()
         optional = [sink_kv, sink_lse, *step_lse]
         ctx.save_for_backward(q, k, v, out, lse, *(x for x in optional if x is not None))
         ctx.ring, ctx.impl, ctx.scale = ring, impl, scale
@@ -470,6 +448,15 @@ def sparse_ring_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     doc = documents.doc.to(q.device)
     sinks = sink_blocks(documents.cu_seqlens.to(q.device), num_tokens // block_size, block_size, world_size)
-    ring = _Ring(group, world_size, rank, node_size, block_mask, doc, (q.shape[1], k.shape[1]), block_size,
-                 label=f" ({label})" if label else "", wait_timer=wait_timer, sinks=sinks)
+    ring = _Ring(group, world_size, rank, node_size, layouts=[], label=f" ({label})" if label else "",
+                 wait_timer=wait_timer, sinks=sinks)
+    ring.layouts.extend(
+        TileLayout.build_ring_step(block_mask, doc, q.shape[1], k.shape[1], block_size,
+                                   world_size=world_size, rank=rank, source=ring.source(outer, inner), sinks=sinks)
+        for outer in range(ring.num_nodes)
+        for inner in range(node_size)
+    )
+    if sinks is not None:
+        ring.sink_layout = TileLayout.build_sink_step(block_mask, doc, q.shape[1], k.shape[1], block_size,
+                                                      world_size=world_size, rank=rank, sinks=sinks)
     return _RingAttention.apply(q, k, v, ring, impl, scale)
