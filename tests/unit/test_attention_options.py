@@ -13,6 +13,7 @@ from sparsebalance_pl.context_parallel import ContextParallel
 from sparsebalance_pl.datamodules.packing import collate_packed
 from sparsebalance_pl.errors import ConfigError
 from sparsebalance_pl.kernels import LayerBudget
+from sparsebalance_pl.kernels.launches import count_launches
 from sparsebalance_pl.kernels.selection import SELECTION_OPTIONS
 from sparsebalance_pl.model import ModelConfig
 from sparsebalance_pl.module import SparseCausalLM
@@ -119,3 +120,17 @@ def test_layer_means_reduce_all_layers_as_each_selection_would(budget):
         torch.testing.assert_close(means[name], torch.stack([per_layer(s).float() for s in selections]))
     documents = torch.stack([selection.base_document_density for selection in selections]).mean(0)
     torch.testing.assert_close(means["base_document_density"], documents)
+
+
+def test_layer_means_cost_the_same_launches_and_one_read_for_any_number_of_layers():
+    cu_seqlens = torch.tensor([0, 50, 128], dtype=torch.int32)
+    q, k, _ = _qkv()
+    selection = kernels.select_with_budget(q, k, cu_seqlens, LayerBudget(0.5), LayerBudget(0.5), block_size=16,
+                                           stride=4, backend="torch")
+    counts = []
+    for num_layers in (2, 24):
+        with count_launches(as_device=True) as count:
+            means = layer_means([LayerStats.of(selection)] * num_layers)
+            torch.cat([x.double() for x in means.values()]).tolist()
+        counts.append((count.launches, count.host_syncs))
+    assert counts[0] == counts[1] and counts[0][1] == 1
