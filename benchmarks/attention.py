@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -236,12 +237,14 @@ def main(argv=None) -> None:
                 if counted is None:
                     print(f"launches per layer ({backend}, {name} budget): failed: {failed[label]}")
                     continue
-                launched, syncs, host_ms = counted  # host_ms None where not measured
-                figures["launches"][f"{backend} {name}"] = {"kernels": launched, "host_syncs": syncs,
-                                                            "host_ms": host_ms}
+                figures["launches"][f"{backend} {name}"] = counted
+                launched, host_ms = counted["kernels"], counted["host_ms"]
                 host = "" if host_ms is None else f", host time: {host_ms:.3f} ms"
                 print(f"launches per layer ({backend}, {name} budget: selection, attention forward and backward): "
-                      f"{'not measured' if launched is None else launched}, host syncs: {syncs}{host}")
+                      f"{'not measured' if launched is None else launched}, host syncs: {counted['host_syncs']}{host}")
+                if counted.get("busiest"):
+                    print(f"  kernel time {counted['kernel_ms']:.3f} ms, busiest: " + ", ".join(
+                        f"{k['name']} {k['ms']:.3f} ms ({k['calls']}x)" for k in counted["busiest"]))
                 save()
     # the first sparse variant that ran
     if args.profile and (first := next((key for key in times if isinstance(key, tuple)), None)) is not None:
@@ -333,10 +336,11 @@ def compile_layer(args: argparse.Namespace) -> None:
                                                "kernels": usage}, indent=1))
 
 
-def layer_launches(q, k, v, grad, documents, block_size, stride, budget, base, backend):
-    """(kernels launched, host synchronisations, the host's median ms) of ``run_layer`` on the stream's
-    ``PackedDocuments``; no kernel count where the profiler sees no CUDA kernel, no host time for the torch backend
-    on the CPU, whose kernels are the host's own work, nor for a layer that synchronises."""
+def layer_launches(q, k, v, grad, documents, block_size, stride, budget, base, backend) -> dict:
+    """What ``run_layer`` on the stream's ``PackedDocuments`` asks of the device: ``kernels`` launched, ``host_syncs``,
+    the host's median ms (``host_ms``) and, on CUDA, the GPU's ``kernel_ms`` and its ``busiest`` kernels (where a
+    layer's time goes). No kernel count where the profiler sees no CUDA kernel; no host time for the torch backend on
+    the CPU, whose kernels are the host's own work, nor for a layer that synchronises."""
 
     def layer():
         run_layer(q, k, v, grad, documents, block_size, stride, budget, base, backend)
@@ -344,10 +348,11 @@ def layer_launches(q, k, v, grad, documents, block_size, stride, budget, base, b
     if q.device.type != "cuda":
         with count_launches(as_device=True) as count:
             layer()
-        if backend != "triton":
-            return count.launches, count.host_syncs, None
-        with host_side_only():
-            return count.launches, count.host_syncs, host_time_ms(layer, q.device)
+        counted = {"kernels": count.launches, "host_syncs": count.host_syncs, "host_ms": None}
+        if backend == "triton":
+            with host_side_only():
+                counted["host_ms"] = host_time_ms(layer, q.device)
+        return counted
     layer()  # compiled and cached before counting
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -361,11 +366,33 @@ def layer_launches(q, k, v, grad, documents, block_size, stride, budget, base, b
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-    kernels = None if profile is None else sum(
-        1 for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
-    ) or None  # none seen: the profiler could not trace the device (no CUPTI), not a layer without kernels
-    # a layer that synchronises waits for the GPU: its time would not be the host's
-    return kernels, syncs, host_time_ms(layer, q.device) if syncs == 0 else None
+    kernels = [] if profile is None else device_kernels(profile.events(), torch.autograd.DeviceType.CUDA)
+    return {
+        # none seen: the profiler could not trace the device (no CUPTI), not a layer without kernels
+        "kernels": len(kernels) or None,
+        "host_syncs": syncs,
+        # a layer that synchronises waits for the GPU: its time would not be the host's
+        "host_ms": host_time_ms(layer, q.device) if syncs == 0 else None,
+        "kernel_ms": sum(ms for _, ms in kernels) if kernels else None,
+        "busiest": busiest(kernels),
+    }
+
+
+def device_kernels(events, device_type) -> list[tuple[str, float]]:
+    """(name, ms) of each profiled event that ran on ``device_type``."""
+    return [(event.name, event.time_range.elapsed_us() / 1e3) for event in events if event.device_type == device_type]
+
+
+def busiest(kernels: list[tuple[str, float]], top: int = 6) -> list[dict]:
+    """The ``top`` kernel names by total time: name (its template arguments and parameters cut), ms and calls."""
+    totals: dict[str, list] = {}
+    for name, ms in kernels:
+        short = re.split(r"[<(]", name.removeprefix("void "), maxsplit=1)[0].strip() or name
+        total = totals.setdefault(short, [0.0, 0])
+        total[0] += ms
+        total[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    return [{"name": name, "ms": ms, "calls": calls} for name, (ms, calls) in ranked]
 
 
 def host_time_ms(layer, device: torch.device, reps: int = 20) -> float:

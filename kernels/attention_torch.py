@@ -238,7 +238,7 @@ def forward(
     """Returns the output [T, Hq, D] in q's dtype and the log-sum-exp [Hq * nB, B] (fp32 or fp64; -inf on
     rows with nothing allowed, whose output is 0)."""
     with single_threaded() as threads:
-        return _forward(q, k, v, layout, scale, threads)
+        return _forward(q, k, v, layout, scale, _workers(q.device, threads))
 
 
 def _forward(q, k, v, layout: TileLayout, scale: float, threads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,7 +287,13 @@ def backward(
     matmuls (P^T dO and dS^T Q with a transposed [n * B, B] operand run at half MKL's speed); the forward keeps
     query-major scores (key-major ones are no faster there)."""
     with single_threaded() as threads:
-        return _backward(q, k, v, out, lse, grad_out, layout, scale, threads)
+        return _backward(q, k, v, out, lse, grad_out, layout, scale, _workers(q.device, threads))
+
+
+def _workers(device: torch.device, threads: int) -> int:
+    """Chunk workers: one per torch CPU thread on the CPU, one on a device, whose ops the host only queues (and a
+    new thread would queue them on the device's default stream, not on the caller's)."""
+    return threads if device.type == "cpu" else 1
 
 
 def _blocked_lse(lse: torch.Tensor, layout: TileLayout, dtype: torch.dtype) -> torch.Tensor:

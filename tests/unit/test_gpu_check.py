@@ -2,6 +2,7 @@
 commands at toy sizes, so that the script cannot rot between GPU sessions, and without the packages the GPU
 machine's image lacks (tests/helpers/device_image), so that it needs nothing carried there."""
 
+import importlib.util
 import json
 import os
 import re
@@ -57,7 +58,11 @@ def test_the_summary_counts_the_densities_each_backend_is_fastest_at_and_names_t
     figures = {"dense_ms": {"dense": 10.0, "cudnn": 8.0}, "selection_ms": 0.5, "dense_forward_ms": 4.0,
                "sparse": sparse}
     figures["failed"] = {"triton selected 0.1": "OutOfMemoryError: CUDA out of memory."}
-    figures["launches"] = {"triton base": {"kernels": 25, "host_syncs": 0, "host_ms": 0.42},
+    busiest = [{"name": "_dkdv_kernel", "ms": 1.5, "calls": 1}, {"name": "_rank_kernel", "ms": 0.25, "calls": 2},
+               {"name": "at::native::elementwise_kernel", "ms": 0.125, "calls": 9}, {"name": "_dq_kernel", "ms": 0.1,
+                                                                                    "calls": 1}]
+    figures["launches"] = {"triton base": {"kernels": 25, "host_syncs": 0, "host_ms": 0.42, "kernel_ms": 2.5,
+                                           "busiest": busiest},
                            "flex base": {"kernels": 30, "host_syncs": 0}}  # a file from before host times
     figures["launches_per_micro_batch"] = 6
     (tmp_path / "attention_32768.json").write_text(json.dumps(figures))
@@ -72,6 +77,19 @@ def test_the_summary_counts_the_densities_each_backend_is_fastest_at_and_names_t
     assert "| 32768: kernels once per micro-batch (documents the layers share) | 6 |  |" in result.stdout
     assert "| 32768: kernels and host syncs per layer (flex base) | 30, 0 | <= 40, 0 |" in result.stdout
     assert "host time per layer (flex base)" not in result.stdout
+    assert ("| 32768: kernel time per layer (triton base), ms, and its busiest kernels | 2.500: _dkdv_kernel 1.500 (1x), "
+            "_rank_kernel 0.250 (2x), at::native::elementwise_kernel 0.125 (9x) |" in result.stdout)
+    assert "kernel time per layer (flex base)" not in result.stdout
+
+
+def test_busiest_kernels_group_a_kernels_instances_under_its_name():
+    spec = importlib.util.spec_from_file_location("attention_benchmark", REPO / "benchmarks" / "attention.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    kernels = [("void at::native::elementwise_kernel<128, 2, Add>(int, Add)", 0.5), ("_fwd_kernel", 2.0),
+               ("void at::native::elementwise_kernel<128, 4, Mul>(int, Mul)", 0.25), ("_rank_kernel", 0.5)]
+    assert benchmark.busiest(kernels, top=2) == [{"name": "_fwd_kernel", "ms": 2.0, "calls": 1},
+                                                 {"name": "at::native::elementwise_kernel", "ms": 0.75, "calls": 2}]
 
 
 def test_an_unknown_mode_prints_the_usage():

@@ -70,6 +70,23 @@ def test_torch_backend_many_chunks_and_workers(monkeypatch, threads, always_kept
         torch.set_num_threads(previous)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_torch_backend_on_a_gpu_queues_its_chunks_on_the_callers_stream(monkeypatch):
+    """On a device the chunks run on the calling thread, whatever the CPU threads: a worker thread would queue them
+    on the device's default stream, racing the caller's."""
+    from sparsebalance_pl.kernels import attention_torch
+
+    monkeypatch.setattr(attention_torch, "_CHUNK_ELEMENTS", 1 << 11)
+    case = packed_case(12, 400, 4, 2, 16, 16, keep=0.3, device="cuda")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            check_against_reference("torch", *case, block_size=16)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_full_mask_is_causal_attention_within_documents(backend):
     q, k, v, mask, cu = packed_case(3, 90, 4, 2, 16, 16, device=device_for(backend))
