@@ -14,7 +14,9 @@ trained one sharply, which is what decides the selected density.
         --attention "quality:block_size=32,estimate=sampled,stride=8,recall_probes=1,tau=0.85"
 
 The spread column is the repetitions' standard deviation over their mean: how steadily this machine times the
-same step (``--threads 1`` against the default on a shared CPU).
+same step (``--threads 1`` against the default on a shared CPU). The attention columns are the module's own timing
+of its attention calls, selection included, forward and backward, and their share of the step: the rest of the
+step is what no density can shorten.
 
 ``--attention NAME:field=value,...`` adds a sparse variant with those ``AttentionConfig`` fields (selection options,
 block size, stride, tau), so the cost of a selection setting is timed beside the default's.
@@ -87,7 +89,8 @@ def main(argv=None) -> None:
     batch = move_data_to_device(batch, args.device)
     cuda = torch.device(args.device).type == "cuda"
 
-    def step(module: SparseCausalLM) -> float:
+    def step(module: SparseCausalLM) -> tuple[float, float]:
+        """Seconds of the step and of its attention calls, forward and backward (the module's own timer)."""
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -95,17 +98,22 @@ def main(argv=None) -> None:
         (loss / tokens).backward()
         if cuda:
             torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
         module.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+        return seconds, module.sparse_attention.micro_batch.timer.seconds()
 
     times: dict[str, list[float]] = {name: [] for name in modules}
+    attention: dict[str, list[float]] = {name: [] for name in modules}
     density: dict[str, float | None] = {}
     failed: dict[str, str] = {}  # variant -> why it did not run
 
     def figures() -> dict:
         base = statistics.median(times["dense"])
         return {name: {"density": 1.0 if density[name] is None else density[name], "ms": statistics.median(t) * 1e3,
-                       "of_dense": statistics.median(t) / base} for name, t in times.items()}
+                       "of_dense": statistics.median(t) / base,
+                       "attention_ms": statistics.median(attention[name]) * 1e3,
+                       "attention_share": statistics.median(attention[name]) / statistics.median(t)}
+                for name, t in times.items()}
 
     def save(variants: dict) -> None:  # after every round: a run cut short by a time limit keeps what it measured
         if args.json:
@@ -114,12 +122,13 @@ def main(argv=None) -> None:
 
     for rep in range(args.reps + 1):  # the first round warms up (and compiles Triton kernels)
         for name, module in list(modules.items()):
-            seconds = attempt(name, failed, step, module)
-            if seconds is None:
-                del modules[name], times[name]
+            timed = attempt(name, failed, step, module)
+            if timed is None:
+                del modules[name], times[name], attention[name]
                 continue
             if rep:
-                times[name].append(seconds)
+                times[name].append(timed[0])
+                attention[name].append(timed[1])
             density[name] = module.sparse_attention.micro_batch.mean_density()
         if "dense" in failed:  # what every ratio needs: only the reasons are left to keep
             save({})
@@ -128,10 +137,11 @@ def main(argv=None) -> None:
     where = args.init or f"preset {args.preset}"
     print(f"{where}, documents {args.lengths}, {args.dtype} on {args.device}, threads {torch.get_num_threads()}, "
           f"median of {args.reps}")
-    print(f"{'variant':<20}{'density':>9}{'ms':>10}{'/ dense':>9}{'spread':>8}")
+    print(f"{'variant':<20}{'density':>9}{'ms':>10}{'/ dense':>9}{'spread':>8}{'attn ms':>10}{'attn share':>11}")
     for name, figure in figures().items():
         spread = statistics.pstdev(times[name]) / statistics.fmean(times[name])  # how steadily one step times
-        print(f"{name:<20}{figure['density']:>9.3f}{figure['ms']:>10.1f}{figure['of_dense']:>9.3f}{spread:>8.3f}")
+        print(f"{name:<20}{figure['density']:>9.3f}{figure['ms']:>10.1f}{figure['of_dense']:>9.3f}{spread:>8.3f}"
+              f"{figure['attention_ms']:>10.1f}{figure['attention_share']:>11.3f}")
     for name, why in failed.items():
         print(f"{name:<20}  failed: {why}")
     if failed:

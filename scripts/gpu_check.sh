@@ -95,6 +95,9 @@ if step.exists():
     for name, v in fig.get("variants", {}).items():
         row(f"model step {fig['lengths']}: {name}, ms (of dense)", f"{v['ms']:.1f} ({v['of_dense']:.3f}, "
             f"density {v['density']:.3f})", "<= 0.55 at density 0.25" if "0.25" in name else "")
+        if "attention_ms" in v:  # what sparsity can shorten, and what it cannot
+            row(f"model step {fig['lengths']}: {name}, attention ms (share of the step)",
+                f"{v['attention_ms']:.1f} ({v['attention_share']:.3f})")
     for name, why in fig.get("failed", {}).items():
         row(f"model step {fig['lengths']}: {name}", f"failed: {why}")
 print("| check | figure | target |\n| --- | --- | --- |")

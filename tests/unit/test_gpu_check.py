@@ -24,6 +24,7 @@ def test_the_smoke_run_prints_the_whole_table(tmp_path):
     for tokens in (256, 512):  # not counted again at the longest length
         assert f"{tokens}: kernels and host syncs per layer (torch tuned)" in table
     assert "model step [512]: sparse cap=0.25" in table
+    assert "model step [512]: dense, attention ms (share of the step)" in table  # what sparsity can shorten
     # A variant that cannot run costs its own row only.
     flex = "| model step [512]: flex cap=0.25 | failed: ValueError: the flex backend has no backward on the CPU"
     assert flex in table
