@@ -133,7 +133,9 @@ def _(q, k, v, block_mask, cu_seqlens, block_size, scale, backend):
 )
 def _compiled_attention_backward(q, k, v, out, lse, grad_out, block_mask, cu_seqlens, block_size, scale, backend):
     layout = TileLayout.build(block_mask, cu_seqlens, q.shape[0], k.shape[1], block_size)
-    return _implementation(backend).backward(q, k, v, out, lse, grad_out, layout, scale)
+    dq, dk, dv = _implementation(backend).backward(q, k, v, out, lse, grad_out, layout, scale)
+    # A custom op's outputs may not share memory, and the Triton backend's dK and dV are halves of one tensor.
+    return dq, dk, dv.clone()
 
 
 @_compiled_attention_backward.register_fake

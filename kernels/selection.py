@@ -121,18 +121,17 @@ class BlockRanking:
     # exact mass of each row's probe tokens (``recall_probes``) on its blocks in rank order, cumulative; None: no probes
     probe_cumulative: torch.Tensor | None = None  # float [Hq, nB, nB]
     per_head_tau: bool = False  # tau is each head's target exact recall on the probe tokens
-    # {(tau, max_density): KnownBudget} the ranking kernel applied on the way
-    known: dict = field(default_factory=dict, compare=False, repr=False)
+    # the KnownBudgets the ranking kernel applied on the way, in the order of the budgets it was given
+    # (``select_with_budget``'s budget in use, then its base unless the same): found by place, not by value, so that
+    # torch.compile need not specialise on a budget's values
+    known: tuple = field(default=(), compare=False, repr=False)
     known_totals: dict = field(default_factory=dict, compare=False, repr=False)  # {heads: candidate tiles}
     q_blocks = None  # the query blocks the rows are (None: every block of the stream); not a field here
 
     def kept_at(self, taus, max_density: float | None = None, max_tiles=None) -> torch.Tensor:
         """[Hq, nB, len(taus)] blocks each row keeps at each tau, with the per-row cap ``max_density`` and a
         bound ``max_tiles`` (int or 0-d tensor) on the kept tiles of all rows together."""
-        known = self._known(taus[0], max_density) if len(taus) == 1 and not torch.is_tensor(taus) else None
-        if known is not None:
-            count = known.kept[..., None]
-        elif self.per_head_tau:
+        if self.per_head_tau:
             count = self._calibrated_counts(taus, max_density)
         else:
             count = _kept_counts(self.cumulative, self.candidates, self.forced, taus, max_density)
@@ -200,23 +199,12 @@ class BlockRanking:
         check_fraction("tau", tau)
         if max_density is not None:
             check_fraction("max_density", max_density)
-        known = self._known(tau, max_density)
-        if known is not None and max_tiles is None and known.mask is not None:
-            return known.mask, SelectionStats(self, known.kept, known.kept_mass)
         stats = self.stats(self.kept_at([tau], max_density, max_tiles)[..., 0])
         return stats.mask(), stats
 
     def budget_stats(self, tau: float, max_density: float | None = None) -> "SelectionStats":
         """The ``SelectionStats`` of a budget without a tile bound."""
-        known = self._known(tau, max_density)
-        if known is not None:
-            return SelectionStats(self, known.kept, known.kept_mass)
         return self.stats(self.kept_at([tau], max_density)[..., 0])
-
-    def _known(self, tau: float, max_density: float | None):
-        """What the ranking kernel applied for this budget, or None (looked up only where it applied any, so
-        that torch.compile need not specialise on a budget's values)."""
-        return self.known.get((tau, max_density)) if self.known else None
 
     def stats(self, kept: torch.Tensor) -> "SelectionStats":
         """The ``SelectionStats`` of keeping the first ``kept`` [Hq, nB] blocks of each row's ranking."""
@@ -577,7 +565,7 @@ def rank_block_mass(mass: torch.Tensor, documents: PackedDocuments, sink_blocks:
         candidates, forced = candidates[q_blocks], forced[q_blocks]
     order = rank_keys(mass, candidates, forced).argsort(dim=-1, descending=True)
     sorted_mass = torch.where(candidates, mass, 0.0).gather(-1, order)
-    return candidates.sum(-1), forced.sum(-1), order, sorted_mass, sorted_mass.cumsum(dim=-1), {}
+    return candidates.sum(-1), forced.sum(-1), order, sorted_mass, sorted_mass.cumsum(dim=-1), ()
 
 
 def _rank_rows(q, k, documents: PackedDocuments, block_size: int, stride: int, scale: float, estimate, ranker,
@@ -697,13 +685,21 @@ def _select_budgeted(ranking: BlockRanking, budget: LayerBudget, base: LayerBudg
     """``select_with_budget`` on a ranking of (some of) the query blocks of a stream of ``num_tokens``; tile
     counts that span the layer are the ranking's ``_total`` over the whole stream."""
     own = budget == base and budget.density_scale is None  # the base budget itself: its counts are the base's
-    base_stats = None if own else ranking.budget_stats(base.tau, base.max_density)
-    known, known_base = ranking._known(budget.tau, budget.max_density), ranking._known(base.tau, base.max_density)
+    # what the ranking kernel applied: the budget in use first, the base last (the same one where they are equal)
+    known, known_base = (ranking.known[0], ranking.known[-1]) if ranking.known else (None, None)
+    if own:
+        base_stats = None
+    elif known_base is not None:
+        base_stats = SelectionStats(ranking, known_base.kept, known_base.kept_mass)
+    else:
+        base_stats = ranking.budget_stats(base.tau, base.max_density)
     if budget.density_scale is not None and known is not None and known.optional is not None:
         from .selection_triton import cut_to_tiles  # the ranking kernel made ready for the cut
 
         kept, kept_mass, mask = cut_to_tiles(ranking, known, budget.density_scale, known_base.document_tiles[0])
         stats = SelectionStats(ranking, kept, kept_mass)
+    elif budget.density_scale is None and known is not None and known.mask is not None:
+        mask, stats = known.mask, SelectionStats(ranking, known.kept, known.kept_mass)
     else:
         mask, stats = ranking.select(budget.tau, budget.max_density,
                                      _max_tiles(ranking, budget, None if own else base_stats.kept))

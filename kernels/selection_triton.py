@@ -100,6 +100,12 @@ def estimate_block_mass(
     q: torch.Tensor, k: torch.Tensor, doc: torch.Tensor, block_size: int, stride: int, scale: float
 ) -> torch.Tensor:
     """[Hq, nB, nB] fp32 estimated attention mass of each block, rows normalised over candidates (Triton)."""
+    run = _block_mass_op if torch.compiler.is_compiling() else _block_mass
+    return run(q, k, doc, block_size, stride, scale)
+
+
+def _block_mass(q: torch.Tensor, k: torch.Tensor, doc: torch.Tensor, block_size: int, stride: int,
+                scale: float) -> torch.Tensor:
     q, k = q.contiguous(), k.contiguous()
     num_tokens, num_q_heads, head_dim = q.shape
     nb = num_blocks(num_tokens, block_size)
@@ -120,6 +126,21 @@ def estimate_block_mass(
         num_stages=3,  # fewer where the GPU's shared memory holds fewer (launches.launch)
     )
     return mass
+
+
+# Under torch.compile the selection's launches run as custom ops, which it calls without tracing them, knowing only
+# their outputs' shapes (as the attention's, ``attention.py``); budgets enter them as host tensors, so that a new
+# budget compiles nothing again.
+_block_mass_op = torch.library.custom_op(
+    "sparsebalance::triton_block_mass", _block_mass, mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor doc, int block_size, int stride, float scale) -> Tensor",
+)
+
+
+@_block_mass_op.register_fake
+def _(q, k, doc, block_size, stride, scale):
+    nb = num_blocks(q.shape[0], block_size)
+    return q.new_empty(q.shape[1], nb, nb, dtype=torch.float32)
 
 
 @triton.jit
@@ -200,43 +221,89 @@ def rank_block_mass(mass: torch.Tensor, documents: PackedDocuments, sink_blocks:
                     q_blocks: torch.Tensor | None = None, budgets: tuple = (), first: str | None = None) -> tuple:
     """``selection.rank_block_mass`` in one Triton launch (whole streams of at most ``_MAX_RANKED_BLOCKS``
     blocks; others go to torch), which also applies up to two ``budgets`` (tau, max_density) to every row:
-    returns the ranking's fields and ``{budget: KnownBudget}``, the first budget's with its mask (``first`` =
-    "mask") or its optional blocks' masses (``first`` = "optional", for a tile bound: ``cut_to_tiles``), the last
-    one's with its kept and candidate tiles per document (the base budget's, whose densities predict costs)."""
-    from .selection import _BLOCK_BITS, KnownBudget, rank_block_mass as rank_torch
+    returns the ranking's fields and a ``KnownBudget`` per budget, in their order, the first budget's with its mask
+    (``first`` = "mask") or its optional blocks' masses (``first`` = "optional", for a tile bound: ``cut_to_tiles``),
+    the last one's with its kept and candidate tiles per document (the base budget's, whose densities predict
+    costs)."""
+    from .selection import KnownBudget, rank_block_mass as rank_torch
 
-    num_q_heads, _, nb = mass.shape
-    if q_blocks is not None or nb > _MAX_RANKED_BLOCKS:
+    if q_blocks is not None or mass.shape[-1] > _MAX_RANKED_BLOCKS:
         return rank_torch(mass, documents, sink_blocks, local_blocks, q_blocks)
     check_window(sink_blocks, local_blocks)
-    doc, cu_seqlens, block_size = documents.doc, documents.cu_seqlens, documents.block_size
+    taus_caps = [x for tau, cap in budgets for x in (tau, 2.0 if cap is None else cap)]
+    if torch.compiler.is_compiling():
+        run, taus_caps = _rank_op, torch.tensor(taus_caps, dtype=torch.float64, device="cpu")
+    else:
+        run = _rank
+    candidates, forced, order, sorted_mass, cumulative, kept, kept_mass, mask, optional, document_tiles = run(
+        mass, documents.doc, documents.cu_seqlens, documents.block_size, sink_blocks, local_blocks, taus_caps,
+        first or "")
+    known = [KnownBudget(kept[i], kept_mass[i]) for i in range(len(budgets))]
+    if budgets:
+        known[-1] = known[-1]._replace(document_tiles=document_tiles)
+        if first is not None:
+            known[0] = known[0]._replace(mask=mask if first == "mask" else None,
+                                         optional=optional if first == "optional" else None)
+    return candidates, forced, order, sorted_mass, cumulative, tuple(known)
+
+
+def _rank(mass: torch.Tensor, doc: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, sink_blocks: int,
+          local_blocks: int, taus_caps: list[float], first: str) -> tuple[torch.Tensor, ...]:
+    """The ranking kernel's launch: (candidates, forced, order, sorted_mass, cumulative, kept, kept_mass, mask,
+    optional, document_tiles), the mask and the optional masses empty where ``first`` asks for neither."""
+    from .selection import _BLOCK_BITS
+
+    num_q_heads, _, nb = mass.shape
+    num_budgets = len(taus_caps) // 2
     device = mass.device
     order = torch.empty(mass.shape, dtype=torch.int64, device=device)
     sorted_mass, cumulative = torch.empty_like(mass), torch.empty_like(mass)
     candidates, forced = (torch.empty(nb, dtype=torch.int64, device=device) for _ in range(2))
-    kept = torch.empty(len(budgets), num_q_heads, nb, dtype=torch.int64, device=device)
-    kept_mass = torch.empty(len(budgets), num_q_heads, nb, dtype=torch.float32, device=device)
-    mask = torch.empty(mass.shape, dtype=torch.bool, device=device) if first == "mask" else kept
-    optional = torch.empty_like(mass) if first == "optional" else kept_mass
+    kept = torch.empty(num_budgets, num_q_heads, nb, dtype=torch.int64, device=device)
+    kept_mass = torch.empty(num_budgets, num_q_heads, nb, dtype=torch.float32, device=device)
+    mask, optional = _first_outputs(mass, first)
     num_docs = cu_seqlens.numel() - 1
     document_tiles = torch.zeros(2, num_docs, dtype=torch.int32, device=device)
-    taus_caps = [x for tau, cap in budgets for x in (float(tau), 2.0 if cap is None else float(cap))]
     padded = next_power_of_two(nb)
     launch(
         _rank_kernel, (nb, num_q_heads),
-        mass, doc, cu_seqlens, order, sorted_mass, cumulative, candidates, forced, kept, kept_mass, mask, optional,
-        document_tiles, doc.numel(), nb, num_docs, *(taus_caps + [1.0, 2.0] * (2 - len(budgets))),
+        mass, doc, cu_seqlens, order, sorted_mass, cumulative, candidates, forced, kept, kept_mass,
+        mask if first == "mask" else kept, optional if first == "optional" else kept_mass,  # unwritten otherwise
+        document_tiles, doc.numel(), nb, num_docs, *(map(float, taus_caps)), *[1.0, 2.0] * (2 - num_budgets),
         BLOCK=block_size, NBP=padded, SINKS=sink_blocks, LOCAL=local_blocks, BLOCK_BITS=_BLOCK_BITS,
-        BUDGETS=len(budgets), WRITE_MASK=first == "mask", WRITE_OPTIONAL=first == "optional",
+        BUDGETS=num_budgets, WRITE_MASK=first == "mask", WRITE_OPTIONAL=first == "optional",
         num_warps=4 if padded <= 1024 else 8,
     )
-    known = {budget: KnownBudget(kept[i], kept_mass[i]) for i, budget in enumerate(budgets)}
-    if budgets:
-        known[budgets[-1]] = known[budgets[-1]]._replace(document_tiles=document_tiles)
-        if first is not None:
-            known[budgets[0]] = known[budgets[0]]._replace(mask=mask if first == "mask" else None,
-                                                           optional=optional if first == "optional" else None)
-    return candidates, forced, order, sorted_mass, cumulative, known
+    return candidates, forced, order, sorted_mass, cumulative, kept, kept_mass, mask, optional, document_tiles
+
+
+def _first_outputs(mass: torch.Tensor, first: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first budget's mask and optional masses as ``_rank`` returns them: full size where ``first`` asks."""
+    mask = mass.new_empty(mass.shape if first == "mask" else (0,), dtype=torch.bool)
+    return mask, mass.new_empty(mass.shape if first == "optional" else (0,))
+
+
+def _rank_at_host_budgets(mass, doc, cu_seqlens, block_size, sink_blocks, local_blocks, taus_caps, first):
+    return _rank(mass, doc, cu_seqlens, block_size, sink_blocks, local_blocks, taus_caps.tolist(), first)
+
+
+_rank_op = torch.library.custom_op(
+    "sparsebalance::triton_rank_block_mass", _rank_at_host_budgets, mutates_args=(),
+    schema="(Tensor mass, Tensor doc, Tensor cu_seqlens, int block_size, int sink_blocks, int local_blocks, "
+           "Tensor taus_caps, str first) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+           "Tensor)",
+)
+
+
+@_rank_op.register_fake
+def _(mass, doc, cu_seqlens, block_size, sink_blocks, local_blocks, taus_caps, first):
+    num_q_heads, _, nb = mass.shape
+    num_budgets = taus_caps.shape[0] // 2
+    rows = mass.new_empty(num_budgets, num_q_heads, nb)
+    return (mass.new_empty(nb, dtype=torch.int64), mass.new_empty(nb, dtype=torch.int64),
+            mass.new_empty(mass.shape, dtype=torch.int64), torch.empty_like(mass), torch.empty_like(mass),
+            rows.long(), rows, *_first_outputs(mass, first),
+            mass.new_empty(2, cu_seqlens.shape[0] - 1, dtype=torch.int32))
 
 
 @triton.jit
@@ -275,15 +342,42 @@ def cut_to_tiles(ranking, known, scale: float, base_tiles: torch.Tensor) -> tupl
     """(kept [Hq, nB], kept share of each row's mass, mask) of a budget the ranking kernel applied with its optional
     masses (``known``), its rows cut to ``scale`` times the base budget's tiles of the layer (``base_tiles``: per
     document): one sort and one launch."""
-    num_q_heads, nb, _ = ranking.order.shape
-    ordered = known.optional.flatten().sort(descending=True).values
-    cut = torch.empty_like(known.kept)
-    cut_mass = torch.empty_like(known.kept_mass)
-    mask = torch.empty(ranking.order.shape, dtype=torch.bool, device=cut.device)
+    if torch.compiler.is_compiling():
+        run, scale = _cut_op, torch.tensor(scale, dtype=torch.float64, device="cpu")
+    else:
+        run = _cut
+    return run(ranking.order, ranking.cumulative, ranking.forced, known.optional, base_tiles, scale)
+
+
+def _cut(order: torch.Tensor, cumulative: torch.Tensor, forced: torch.Tensor, optional: torch.Tensor,
+         base_tiles: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_q_heads, nb, _ = order.shape
+    ordered = optional.flatten().sort(descending=True).values
+    cut = order.new_empty(num_q_heads, nb)
+    cut_mass = cumulative.new_empty(num_q_heads, nb)
+    mask = torch.empty(order.shape, dtype=torch.bool, device=cut.device)
     launch(
         _cut_kernel, (nb, num_q_heads),
-        ranking.order, ranking.cumulative, ranking.forced, known.optional, ordered, base_tiles, cut, cut_mass, mask,
+        order, cumulative, forced, optional, ordered, base_tiles, cut, cut_mass, mask,
         nb, base_tiles.numel(), ordered.numel(), float(scale), NBP=next_power_of_two(nb), DOCS_PER_STEP=128,
         num_warps=4 if nb <= 1024 else 8,
     )
     return cut, cut_mass, mask
+
+
+def _cut_at_host_scale(order, cumulative, forced, optional, base_tiles, scale):
+    return _cut(order, cumulative, forced, optional, base_tiles, scale.item())
+
+
+_cut_op = torch.library.custom_op(
+    "sparsebalance::triton_cut_to_tiles", _cut_at_host_scale, mutates_args=(),
+    schema="(Tensor order, Tensor cumulative, Tensor forced, Tensor optional, Tensor base_tiles, Tensor scale) -> "
+           "(Tensor, Tensor, Tensor)",
+)
+
+
+@_cut_op.register_fake
+def _(order, cumulative, forced, optional, base_tiles, scale):
+    num_q_heads, nb, _ = order.shape
+    mask = order.new_empty(order.shape, dtype=torch.bool)
+    return order.new_empty(num_q_heads, nb), cumulative.new_empty(num_q_heads, nb), mask

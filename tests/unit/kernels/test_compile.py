@@ -1,11 +1,13 @@
-"""One layer's sparse attention (selection, then block-sparse attention) under torch.compile on the CPU: no graph
-break, the compiled layer equals the eager one, and new budgets or stream lengths do not compile it again; the
-same for the compiled FlexAttention the flex backend runs on CUDA."""
+"""One layer's sparse attention (selection, then block-sparse attention) under torch.compile: no graph break, the
+compiled layer equals the eager one, and new budgets or stream lengths do not compile it again, on the torch
+backend and on the device path (Triton: on a GPU, or here through Triton's interpreter); the same for the compiled
+FlexAttention the flex backend runs on CUDA."""
 
 import warnings
 
 import pytest
 import torch
+from attention_cases import TRITON_OK
 from torch.nn.attention.flex_attention import flex_attention
 
 from sparsebalance_pl.kernels import LayerBudget, block_sparse_attention, select_with_budget
@@ -15,17 +17,27 @@ from sparsebalance_pl.kernels.layout import TileLayout
 BASE = LayerBudget(0.9)
 
 
-def layer(q, k, v, cu_seqlens, budget):
+def layer(q, k, v, cu_seqlens, budget, backend="torch"):
     selection = select_with_budget(q.detach(), k.detach(), cu_seqlens, budget, BASE, block_size=16, stride=8,
-                                   backend="torch")
-    out = block_sparse_attention(q, k, v, selection.mask, cu_seqlens, block_size=16, backend="torch")
+                                   backend=backend)
+    out = block_sparse_attention(q, k, v, selection.mask, cu_seqlens, block_size=16, backend=backend)
     return out, selection.stats.mean_density(), selection.base_document_density
 
 
-def stream(num_tokens, docs, seed=0):
+def stream(num_tokens, docs, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(num_tokens, h, 16, generator=gen, requires_grad=True) for h in (4, 2, 2))
-    return q, k, v, torch.linspace(0, num_tokens, docs + 1).round().int()
+    q, k, v = (torch.randn(num_tokens, h, 16, generator=gen).to(device).requires_grad_() for h in (4, 2, 2))
+    return q, k, v, torch.linspace(0, num_tokens, docs + 1).round().int().to(device)
+
+
+BACKENDS = [
+    "torch",
+    pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")),
+]
+
+
+def device_of(backend: str) -> str:
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 
 
 class CountingBackend:
@@ -39,13 +51,14 @@ class CountingBackend:
         return graph.forward
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("budget", [BASE, LayerBudget(0.95, 0.6, 0.7)], ids=["base", "tuned"])
-def test_no_graph_break_and_the_compiled_layer_equals_the_eager_one(budget):
-    q, k, v, cu_seqlens = stream(256, 3)
-    explanation = torch._dynamo.explain(layer)(q, k, v, cu_seqlens, budget)
+def test_no_graph_break_and_the_compiled_layer_equals_the_eager_one(budget, backend):
+    q, k, v, cu_seqlens = stream(96, 3, device=device_of(backend))
+    explanation = torch._dynamo.explain(layer)(q, k, v, cu_seqlens, budget, backend)
     assert explanation.graph_break_count == 0, [str(b.reason)[:200] for b in explanation.break_reasons]
     compiled = torch.compile(layer, fullgraph=True, backend=CountingBackend())
-    got, want = compiled(q, k, v, cu_seqlens, budget), layer(q, k, v, cu_seqlens, budget)
+    got, want = compiled(q, k, v, cu_seqlens, budget, backend), layer(q, k, v, cu_seqlens, budget, backend)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     grads = [torch.autograd.grad(out.sum(), (q, k, v)) for out in (got[0], want[0])]
@@ -53,14 +66,15 @@ def test_no_graph_break_and_the_compiled_layer_equals_the_eager_one(budget):
         assert torch.equal(a, b)
 
 
-def test_new_budget_values_and_stream_lengths_do_not_compile_again():
-    backend = CountingBackend()
-    compiled = torch.compile(layer, backend=backend, dynamic=True)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_new_budget_values_and_stream_lengths_do_not_compile_again(backend):
+    counting = CountingBackend()
+    compiled = torch.compile(layer, backend=counting, dynamic=True)
     budgets = [LayerBudget(0.95, 0.6, scale) for scale in (0.7, 0.5)] + [LayerBudget(0.85, 0.4, 1.3)]
-    for (num_tokens, docs), budget in zip([(256, 2), (320, 3), (512, 7)], budgets):
-        q, k, v, cu_seqlens = stream(num_tokens, docs, seed=num_tokens)
-        compiled(q, k, v, cu_seqlens, budget)[0].sum().backward()
-    assert backend.graphs == 1
+    for (num_tokens, docs), budget in zip([(64, 2), (80, 3), (128, 7)], budgets):
+        q, k, v, cu_seqlens = stream(num_tokens, docs, seed=num_tokens, device=device_of(backend))
+        compiled(q, k, v, cu_seqlens, budget, backend)[0].sum().backward()
+    assert counting.graphs == 1
 
 
 def test_flex_attention_compiles_twice_at_most_over_the_stream_lengths_of_an_epoch():
