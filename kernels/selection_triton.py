@@ -143,6 +143,14 @@ def _(q, k, doc, block_size, stride, scale):
     return q.new_empty(q.shape[1], nb, nb, dtype=torch.float32)
 
 
+def _host_tensor(values: list) -> torch.Tensor:
+    """float64 [len(values)] on the host, from numbers a compiled caller holds as symbols (a budget's): built by
+    arithmetic, which torch.compile keeps symbolic, where ``torch.tensor`` of them would compile again for every new
+    value."""
+    basis = torch.eye(len(values), dtype=torch.float64, device="cpu")
+    return sum((basis[i] * value for i, value in enumerate(values)), basis.new_zeros(len(values)))
+
+
 @triton.jit
 def _row_count(cumulative, row_mass, cols, num_candidates, num_forced, tau, cap, NB):
     """``selection._kept_counts`` of one row for one budget: the top-p count at ``tau`` (tau >= 1 keeps every
@@ -232,7 +240,7 @@ def rank_block_mass(mass: torch.Tensor, documents: PackedDocuments, sink_blocks:
     check_window(sink_blocks, local_blocks)
     taus_caps = [x for tau, cap in budgets for x in (tau, 2.0 if cap is None else cap)]
     if torch.compiler.is_compiling():
-        run, taus_caps = _rank_op, torch.tensor(taus_caps, dtype=torch.float64, device="cpu")
+        run, taus_caps = _rank_op, _host_tensor(taus_caps)
     else:
         run = _rank
     candidates, forced, order, sorted_mass, cumulative, kept, kept_mass, mask, optional, document_tiles = run(
@@ -343,7 +351,7 @@ def cut_to_tiles(ranking, known, scale: float, base_tiles: torch.Tensor) -> tupl
     masses (``known``), its rows cut to ``scale`` times the base budget's tiles of the layer (``base_tiles``: per
     document): one sort and one launch."""
     if torch.compiler.is_compiling():
-        run, scale = _cut_op, torch.tensor(scale, dtype=torch.float64, device="cpu")
+        run, scale = _cut_op, _host_tensor([scale])
     else:
         run = _cut
     return run(ranking.order, ranking.cumulative, ranking.forced, known.optional, base_tiles, scale)
