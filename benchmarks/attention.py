@@ -379,15 +379,18 @@ def layer_launches(q, k, v, grad, documents, block_size, stride, budget, base, b
 
 
 def device_kernels(events, device_type) -> list[tuple[str, float]]:
-    """(name, ms) of each profiled event that ran on ``device_type``."""
-    return [(event.name, event.time_range.elapsed_us() / 1e3) for event in events if event.device_type == device_type]
+    """(name, ms) of each profiled event that ran on ``device_type``, less the ranges annotated on it (they span
+    kernels already counted)."""
+    return [(event.name, event.time_range.elapsed_us() / 1e3) for event in events
+            if event.device_type == device_type and not event.is_user_annotation]
 
 
 def busiest(kernels: list[tuple[str, float]], top: int = 6) -> list[dict]:
     """The ``top`` kernel names by total time: name (its template arguments and parameters cut), ms and calls."""
     totals: dict[str, list] = {}
     for name, ms in kernels:
-        short = re.split(r"[<(]", name.removeprefix("void "), maxsplit=1)[0].strip() or name
+        bare = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+        short = re.split(r"[<(]", bare, maxsplit=1)[0].strip() or name
         total = totals.setdefault(short, [0.0, 0])
         total[0] += ms
         total[1] += 1

@@ -110,7 +110,8 @@ def block_sparse_attention(
 
 
 # Under torch.compile the torch and Triton backends run as two custom ops, forward and backward, which it calls
-# without tracing them (their host-side planning would break its graph); each builds the layout it needs.
+# without tracing them (their host-side planning would break its graph); each builds the layout it needs. Their
+# inputs are made contiguous, so that every output is, as their fakes say (inductor checks each output's strides).
 @torch.library.custom_op(
     "sparsebalance::block_sparse_attention", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor block_mask, Tensor cu_seqlens, int block_size, float scale, "
@@ -118,12 +119,12 @@ def block_sparse_attention(
 )
 def _compiled_attention(q, k, v, block_mask, cu_seqlens, block_size, scale, backend):
     layout = TileLayout.build(block_mask, cu_seqlens, q.shape[0], k.shape[1], block_size)
-    return _implementation(backend).forward(q, k, v, layout, scale)
+    return _implementation(backend).forward(q.contiguous(), k.contiguous(), v.contiguous(), layout, scale)
 
 
 @_compiled_attention.register_fake
 def _(q, k, v, block_mask, cu_seqlens, block_size, scale, backend):
-    return torch.empty_like(q), _implementation(backend).lse_like(q, block_mask.shape[1], block_size)
+    return q.new_empty(q.shape), _implementation(backend).lse_like(q, block_mask.shape[1], block_size)
 
 
 @torch.library.custom_op(
@@ -133,14 +134,16 @@ def _(q, k, v, block_mask, cu_seqlens, block_size, scale, backend):
 )
 def _compiled_attention_backward(q, k, v, out, lse, grad_out, block_mask, cu_seqlens, block_size, scale, backend):
     layout = TileLayout.build(block_mask, cu_seqlens, q.shape[0], k.shape[1], block_size)
+    q, k, v, out, grad_out = (x.contiguous() for x in (q, k, v, out, grad_out))
     dq, dk, dv = _implementation(backend).backward(q, k, v, out, lse, grad_out, layout, scale)
     # A custom op's outputs may not share memory, and the Triton backend's dK and dV are halves of one tensor.
-    return dq, dk, dv.clone()
+    shared = dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()
+    return dq, dk, dv.clone() if shared else dv
 
 
 @_compiled_attention_backward.register_fake
 def _(q, k, v, out, lse, grad_out, block_mask, cu_seqlens, block_size, scale, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _save_for_backward(ctx, inputs, output) -> None:

@@ -675,16 +675,24 @@ def select_with_budget(
     budgets = ((budget.tau, budget.max_density), (base.tau, base.max_density))
     check_qk(q, k)  # before the bounds, whose check takes q's length
     documents = as_packed_documents(cu_seqlens, q.shape[0], block_size)
-    ranking = _rank_stream(q, k, documents, block_size, stride, scale, backend, options, budgets[:2 - (budget == base)],
+    ranking = _rank_stream(q, k, documents, block_size, stride, scale, backend, options,
+                           budgets[:1] if _is_base(budget, base) else budgets,
                            first="mask" if budget.density_scale is None else "optional")
     return _select_budgeted(ranking, budget, base, documents.cu_seqlens, q.shape[0], block_size)
+
+
+def _is_base(budget: LayerBudget, base: LayerBudget) -> bool:
+    """Whether ``budget`` is the base budget itself, whose counts then serve as the base's. Never while torch.compile
+    traces: its guards can miss a comparison of two budgets and reuse the graph of one for another (the two counted
+    apart give the same results)."""
+    return budget == base and not torch.compiler.is_compiling()
 
 
 def _select_budgeted(ranking: BlockRanking, budget: LayerBudget, base: LayerBudget, cu_seqlens, num_tokens: int,
                      block_size: int) -> BudgetedSelection:
     """``select_with_budget`` on a ranking of (some of) the query blocks of a stream of ``num_tokens``; tile
     counts that span the layer are the ranking's ``_total`` over the whole stream."""
-    own = budget == base and budget.density_scale is None  # the base budget itself: its counts are the base's
+    own = _is_base(budget, base) and budget.density_scale is None
     # what the ranking kernel applied: the budget in use first, the base last (the same one where they are equal)
     known, known_base = (ranking.known[0], ranking.known[-1]) if ranking.known else (None, None)
     if own:

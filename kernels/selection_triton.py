@@ -238,6 +238,7 @@ def rank_block_mass(mass: torch.Tensor, documents: PackedDocuments, sink_blocks:
     if q_blocks is not None or mass.shape[-1] > _MAX_RANKED_BLOCKS:
         return rank_torch(mass, documents, sink_blocks, local_blocks, q_blocks)
     check_window(sink_blocks, local_blocks)
+    first = first if budgets else None  # what the first budget keeps: none without budgets
     taus_caps = [x for tau, cap in budgets for x in (tau, 2.0 if cap is None else cap)]
     if torch.compiler.is_compiling():
         run, taus_caps = _rank_op, _host_tensor(taus_caps)

@@ -88,9 +88,11 @@ def test_busiest_kernels_group_a_kernels_instances_under_its_name():
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
     kernels = [("void at::native::elementwise_kernel<128, 2, Add>(int, Add)", 0.5), ("_fwd_kernel", 2.0),
-               ("void at::native::elementwise_kernel<128, 4, Mul>(int, Mul)", 0.25), ("_rank_kernel", 0.5)]
+               ("void at::native::elementwise_kernel<128, 4, Mul>(int, Mul)", 0.25), ("_rank_kernel", 0.5),
+               ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float, 4>(float*)", 0.125)]
     assert benchmark.busiest(kernels, top=2) == [{"name": "_fwd_kernel", "ms": 2.0, "calls": 1},
                                                  {"name": "at::native::elementwise_kernel", "ms": 0.75, "calls": 2}]
+    assert benchmark.busiest(kernels)[-1] == {"name": "at::native::CatArrayBatchedCopy", "ms": 0.125, "calls": 1}
 
 
 def test_an_unknown_mode_prints_the_usage():

@@ -31,10 +31,8 @@ def stream(num_tokens, docs, seed=0, device="cpu"):
     return q, k, v, torch.linspace(0, num_tokens, docs + 1).round().int().to(device)
 
 
-BACKENDS = [
-    "torch",
-    pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")),
-]
+NEEDS_TRITON = pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
+BACKENDS = ["torch", pytest.param("triton", marks=NEEDS_TRITON)]
 
 
 def device_of(backend: str) -> str:
@@ -53,9 +51,12 @@ class CountingBackend:
         return aot_module_simplified(graph, example_inputs, fw_compiler=lambda traced, _: make_boxed_func(traced.forward))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("budget", [BASE, LayerBudget(0.95, 0.6, 0.7)], ids=["base", "tuned"])
-def test_no_graph_break_and_the_compiled_layer_equals_the_eager_one(budget, backend):
+TUNED = LayerBudget(0.95, 0.6, 0.7)
+
+
+@pytest.mark.parametrize("budget", [BASE, TUNED], ids=["base", "tuned"])
+def test_no_graph_break_and_the_compiled_layer_equals_the_eager_one(budget, backend="torch"):
+    """The torch backend here; the device path's graph is whole in ``test_a_budget_back_at_the_base...`` (fullgraph)."""
     q, k, v, cu_seqlens = stream(96, 3, device=device_of(backend))
     explanation = torch._dynamo.explain(layer)(q, k, v, cu_seqlens, budget, backend)
     assert explanation.graph_break_count == 0, [str(b.reason)[:200] for b in explanation.break_reasons]
@@ -77,6 +78,58 @@ def test_new_budget_values_and_stream_lengths_do_not_compile_again(backend):
         q, k, v, cu_seqlens = stream(num_tokens, docs, seed=num_tokens, device=device_of(backend))
         compiled(q, k, v, cu_seqlens, budget, backend)[0].sum().backward()
     assert counting.graphs == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_budget_back_at_the_base_and_moved_again_gets_its_own_answers(backend):
+    """DST moves a budget, returns it to the base, then moves its tau alone: each compiled call equals the eager one,
+    forward and gradients (torch.compile's automatic dynamic shapes made a graph traced at the base answer for the
+    next budget too)."""
+    compiled = torch.compile(layer, fullgraph=True, backend=CountingBackend())  # a graph break raises
+    q, k, v, cu_seqlens = stream(64, 2, device=device_of(backend))
+    for budget in (TUNED, BASE, LayerBudget(0.3)):
+        got, want = compiled(q, k, v, cu_seqlens, budget, backend), layer(q, k, v, cu_seqlens, budget, backend)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), budget
+        grads = [torch.autograd.grad(out.sum(), (q, k, v)) for out in (got[0], want[0])]
+        for a, b in zip(*grads):
+            assert torch.equal(a, b), budget
+
+
+def opcheck(op, args):
+    """``torch.library.opcheck``'s checks of what torch.compile is told: the schema and the fake outputs."""
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_custom_ops_torch_compile_runs_agree_with_their_fakes(backend):
+    """What torch.compile knows of each custom op (its fake: shapes, dtypes, strides) is what the op returns, for
+    inputs laid out as views of [H, T, D] tensors too (inductor checks every output's strides)."""
+    device = device_of(backend)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(h, 64, 16, generator=gen).to(device).transpose(0, 1) for h in (4, 2, 2))
+    cu_seqlens = torch.tensor([0, 40, 64], dtype=torch.int32, device=device)
+    mask = select_with_budget(q, k, cu_seqlens, TUNED, BASE, block_size=16, stride=8, backend=backend).mask
+    args = (q, k, v, mask, cu_seqlens, 16, 0.25, backend)
+    opcheck(torch.ops.sparsebalance.block_sparse_attention.default, args)
+    out, lse = torch.ops.sparsebalance.block_sparse_attention.default(*args)
+    grad = torch.randn(4, 64, 16, generator=gen).to(device).transpose(0, 1)
+    opcheck(torch.ops.sparsebalance.block_sparse_attention_backward.default,
+                          (q, k, v, out, lse, grad, mask, cu_seqlens, 16, 0.25, backend))
+    if backend == "triton":  # the selection's launches
+        from sparsebalance_pl.kernels import selection_triton
+        from sparsebalance_pl.kernels.layout import PackedDocuments
+
+        documents = PackedDocuments(cu_seqlens, 64, 16)
+        mass = selection_triton.estimate_block_mass(q, k, documents.doc, 16, 8, 0.25)
+        opcheck(selection_triton._block_mass_op, (q, k, documents.doc, 16, 8, 0.25))
+        budgets = {"mask": [0.9, 2.0], "optional": [0.95, 0.6, 0.9, 2.0]}  # (tau, cap) pairs; cap 2: none
+        for first, taus_caps in budgets.items():
+            ranked = (mass, documents.doc, cu_seqlens, 16, 1, 1, torch.tensor(taus_caps, dtype=torch.float64), first)
+            opcheck(selection_triton._rank_op, ranked)
+        _, forced, order, _, cumulative, _, _, _, optional, tiles = selection_triton._rank_op(*ranked)
+        opcheck(selection_triton._cut_op, (order, cumulative, forced, optional, tiles[0],
+                                                         torch.tensor([0.7], dtype=torch.float64)))
 
 
 def test_flex_attention_compiles_twice_at_most_over_the_stream_lengths_of_an_epoch():
