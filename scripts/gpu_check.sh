@@ -80,8 +80,9 @@ for tokens, fig in sorted(attention.items()):
             row(f"{tokens}: host time per layer ({variant}), ms", f"{count['host_ms']:.3f}",
                 "a share of the fixed cost (<= 0.5 on an H200)" if tokens == 8192 else "")
         if count.get("busiest"):  # where the layer's GPU time goes
-            row(f"{tokens}: kernel time per layer ({variant}), ms, and its busiest kernels", f"{count['kernel_ms']:.3f}: "
-                + ", ".join(f"{k['name']} {k['ms']:.3f} ({k['calls']}x)" for k in count["busiest"][:3]))
+            kernels = ", ".join(f"{k['name']} {k['ms']:.3f} ({k['calls']}x)" for k in count["busiest"][:3])
+            row(f"{tokens}: kernel time per layer ({variant}), ms, and its busiest kernels",
+                f"{count['kernel_ms']:.3f}: {kernels}")
 for path in sorted(out.glob("compiled_sm*.json")):
     fig = json.loads(path.read_text())
     for need in fig["kernels"]:

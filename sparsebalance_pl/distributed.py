@@ -53,6 +53,11 @@ def gather_objects(obj: Any, group=None) -> list:
     return out
 
 
+# The all-gather into one tensor: torch 2.14 names it all_gather_single (and warns on every run under the old name);
+# older releases, as on the GPU check's image, know only all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def gather_floats(values: Sequence[float], device: torch.device | str = "cpu", group=None) -> np.ndarray:
     """[world, len(values)]: every rank's few floats in one all-gather (``values`` must have the same length on
     every rank; ``device`` is where the backend wants its tensors: the GPU under NCCL)."""
@@ -60,7 +65,7 @@ def gather_floats(values: Sequence[float], device: torch.device | str = "cpu", g
     if not is_distributed(group):
         return local[None].cpu().numpy()
     out = torch.empty(world_size(group) * local.numel(), dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(out, local, group=group)
+    _all_gather_single(out, local, group=group)
     return out.view(world_size(group), local.numel()).cpu().numpy()
 
 

@@ -78,8 +78,8 @@ def test_the_summary_counts_the_densities_each_backend_is_fastest_at_and_names_t
     assert "| 32768: kernels once per micro-batch (documents the layers share) | 6 |  |" in result.stdout
     assert "| 32768: kernels and host syncs per layer (flex base) | 30, 0 | <= 40, 0 |" in result.stdout
     assert "host time per layer (flex base)" not in result.stdout
-    assert ("| 32768: kernel time per layer (triton base), ms, and its busiest kernels | 2.500: _dkdv_kernel 1.500 (1x), "
-            "_rank_kernel 0.250 (2x), at::native::elementwise_kernel 0.125 (9x) |" in result.stdout)
+    assert ("| 32768: kernel time per layer (triton base), ms, and its busiest kernels | 2.500: _dkdv_kernel 1.500 "
+            "(1x), _rank_kernel 0.250 (2x), at::native::elementwise_kernel 0.125 (9x) |" in result.stdout)
     assert "kernel time per layer (flex base)" not in result.stdout
 
 

@@ -48,20 +48,21 @@ class CountingBackend:
 
     def __call__(self, graph, example_inputs):
         self.graphs += 1
-        return aot_module_simplified(graph, example_inputs, fw_compiler=lambda traced, _: make_boxed_func(traced.forward))
+        return aot_module_simplified(graph, example_inputs,
+                                     fw_compiler=lambda traced, _: make_boxed_func(traced.forward))
 
 
 TUNED = LayerBudget(0.95, 0.6, 0.7)
 
 
 @pytest.mark.parametrize("budget", [BASE, TUNED], ids=["base", "tuned"])
-def test_no_graph_break_and_the_compiled_layer_equals_the_eager_one(budget, backend="torch"):
-    """The torch backend here; the device path's graph is whole in ``test_a_budget_back_at_the_base...`` (fullgraph)."""
-    q, k, v, cu_seqlens = stream(96, 3, device=device_of(backend))
-    explanation = torch._dynamo.explain(layer)(q, k, v, cu_seqlens, budget, backend)
+def test_no_graph_break_and_the_compiled_layer_equals_the_eager_one(budget):
+    """The torch backend; the device path compiles whole in ``test_a_budget_back_at_the_base...`` (fullgraph)."""
+    q, k, v, cu_seqlens = stream(96, 3)
+    explanation = torch._dynamo.explain(layer)(q, k, v, cu_seqlens, budget)
     assert explanation.graph_break_count == 0, [str(b.reason)[:200] for b in explanation.break_reasons]
     compiled = torch.compile(layer, fullgraph=True, backend=CountingBackend())
-    got, want = compiled(q, k, v, cu_seqlens, budget, backend), layer(q, k, v, cu_seqlens, budget, backend)
+    got, want = compiled(q, k, v, cu_seqlens, budget), layer(q, k, v, cu_seqlens, budget)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     grads = [torch.autograd.grad(out.sum(), (q, k, v)) for out in (got[0], want[0])]
@@ -115,7 +116,7 @@ def test_the_custom_ops_torch_compile_runs_agree_with_their_fakes(backend):
     out, lse = torch.ops.sparsebalance.block_sparse_attention.default(*args)
     grad = torch.randn(4, 64, 16, generator=gen).to(device).transpose(0, 1)
     opcheck(torch.ops.sparsebalance.block_sparse_attention_backward.default,
-                          (q, k, v, out, lse, grad, mask, cu_seqlens, 16, 0.25, backend))
+            (q, k, v, out, lse, grad, mask, cu_seqlens, 16, 0.25, backend))
     if backend == "triton":  # the selection's launches
         from sparsebalance_pl.kernels import selection_triton
         from sparsebalance_pl.kernels.layout import PackedDocuments
@@ -124,12 +125,13 @@ def test_the_custom_ops_torch_compile_runs_agree_with_their_fakes(backend):
         mass = selection_triton.estimate_block_mass(q, k, documents.doc, 16, 8, 0.25)
         opcheck(selection_triton._block_mass_op, (q, k, documents.doc, 16, 8, 0.25))
         budgets = {"mask": [0.9, 2.0], "optional": [0.95, 0.6, 0.9, 2.0]}  # (tau, cap) pairs; cap 2: none
-        for first, taus_caps in budgets.items():
-            ranked = (mass, documents.doc, cu_seqlens, 16, 1, 1, torch.tensor(taus_caps, dtype=torch.float64), first)
-            opcheck(selection_triton._rank_op, ranked)
-        _, forced, order, _, cumulative, _, _, _, optional, tiles = selection_triton._rank_op(*ranked)
-        opcheck(selection_triton._cut_op, (order, cumulative, forced, optional, tiles[0],
-                                                         torch.tensor([0.7], dtype=torch.float64)))
+        ranking_args = {first: (mass, documents.doc, cu_seqlens, 16, 1, 1, torch.tensor(taus_caps, dtype=torch.float64),
+                                first) for first, taus_caps in budgets.items()}
+        for args in ranking_args.values():
+            opcheck(selection_triton._rank_op, args)
+        _, forced, order, _, cumulative, _, _, _, optional, tiles = selection_triton._rank_op(*ranking_args["optional"])
+        scale = torch.tensor([0.7], dtype=torch.float64)
+        opcheck(selection_triton._cut_op, (order, cumulative, forced, optional, tiles[0], scale))
 
 
 def test_flex_attention_compiles_twice_at_most_over_the_stream_lengths_of_an_epoch():
