@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +155,7 @@ class PackedDocuments:
         self.cu_seqlens, self.num_tokens, self.block_size = cu_seqlens, num_tokens, block_size
         self._doc: torch.Tensor | None = None
         self._candidates: torch.Tensor | None = None
+        self._derived: dict = {}
 
     @property
     def doc(self) -> torch.Tensor:
@@ -169,6 +170,13 @@ class PackedDocuments:
         if self._candidates is None:
             self._candidates = candidate_tiles(self.doc, self.block_size)
         return self._candidates
+
+    def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()``, called at the first ask for ``key``: what another module derives from the documents alone
+        (the ring's sink blocks), made once for all the stream's layers like ``doc`` and ``candidates``."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
 
 def as_packed_documents(
@@ -257,7 +265,10 @@ class TileLayout:
     """The kept tiles of one attention call over a stream of blocks, plus the token document ids.
 
     ``kept`` [Hq, nB, nB] marks the tiles with work: kept by the block mask, causal, and sharing a document;
-    tiles that hold no allowed pair are dropped, so every backend visits only tiles with work. ``partial()``
+    tiles that hold no allowed pair are dropped, so every backend visits only tiles with work. A layout holds
+    them as ``tiles`` [Hq, nQ, nK], its query blocks (the stream's last nQ) against its key blocks (the first
+    nK): a ring step's stream is its keys then its queries, and a layout kept from a ring's forward until its
+    backward holds a quarter of ``kept``, which is derived where a backend asks. ``partial()``
     [nB, nB] marks the tiles that need token-level masking (diagonal, or a block touching more than one
     document); kept tiles outside it are fully allowed. Both are fixed-shape masks, so a layout is built
     without host synchronisation; each backend derives the form it walks: ``lists`` (Triton and flex, fixed
@@ -271,7 +282,7 @@ class TileLayout:
     num_q_heads: int
     num_kv_heads: int
     doc: torch.Tensor  # int32 [T]
-    kept: torch.Tensor  # bool [Hq, nB, nB]
+    tiles: torch.Tensor  # bool [Hq, nQ, nK]
     scratch: dict = field(default_factory=dict, compare=False, repr=False)  # per-backend derived data
 
     @staticmethod
@@ -333,11 +344,11 @@ class TileLayout:
         rank: int,
         sinks: torch.Tensor,
     ) -> "TileLayout":
-        """``rank``'s query blocks against the ``sinks`` key blocks (bool [nB]) strictly below them, of which
-        every rank holds a copy: the tiles ``build_ring_step`` leaves out with the same ``sinks``. The stream is
-        the sink blocks in order, then the rank's shard."""
+        """``rank``'s query blocks against the ``sinks`` key blocks (their indices, increasing) strictly below
+        them, of which every rank holds a copy: the tiles ``build_ring_step`` leaves out with the same sinks. The
+        stream is the sink blocks in order, then the rank's shard."""
         nb = num_blocks(doc.numel(), block_size)
-        q_blocks, k_blocks = striped_blocks(nb, world_size, rank, doc.device), sinks.nonzero()[:, 0]
+        q_blocks, k_blocks = striped_blocks(nb, world_size, rank, doc.device), sinks
         kept = _striped_tiles(block_mask, doc, block_size, q_blocks, k_blocks)
         kept = kept & (k_blocks[None, None, :] < q_blocks[None, :, None])
         blocked = doc.view(nb, block_size)
@@ -349,11 +360,18 @@ class TileLayout:
         """The layout of ``kept`` [Hq, nQ, nK] (causal tiles within documents only) in a stream with documents
         ``stream_doc`` whose last nQ blocks are the query blocks and whose first nK blocks are the key blocks (the
         same blocks when the stream is the whole one)."""
-        num_q_heads, n_q, n_k = kept.shape
         nb = num_blocks(stream_doc.numel(), block_size)
-        if n_q != nb or n_k != nb:  # a ring step: queries are the stream's last blocks, keys its first
-            kept = F.pad(kept, (0, nb - n_k, nb - n_q, 0))
-        return TileLayout(stream_doc.numel(), block_size, nb, num_q_heads, num_kv_heads, stream_doc, kept)
+        return TileLayout(stream_doc.numel(), block_size, nb, kept.shape[0], num_kv_heads, stream_doc, kept)
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """bool [Hq, nB, nB]: ``tiles`` placed in the stream (kept in ``scratch`` where that takes a copy)."""
+        n_q, n_k, nb = *self.tiles.shape[1:], self.num_blocks
+        if n_q == n_k == nb:
+            return self.tiles
+        if "kept" not in self.scratch:
+            self.scratch["kept"] = F.pad(self.tiles, (0, nb - n_k, nb - n_q, 0))
+        return self.scratch["kept"]
 
     @property
     def group_size(self) -> int:

@@ -34,7 +34,7 @@ transfers overlapping a whole inner ring. A flat ring is one node.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -111,8 +111,11 @@ class _Ring:
     layouts: list[TileLayout]
     label: str = ""
     wait_timer: WaitTimer | None = None
-    sinks: torch.Tensor | None = None  # bool [nB]: key blocks every rank holds a copy of (see ``sink_blocks``)
+    sinks: _Sinks | None = None  # key blocks every rank holds a copy of (see ``sink_blocks``)
     sink_layout: TileLayout | None = None  # this rank's tiles against them
+    # Which of the steps (``layouts``, then the sink step) keep any tile, read from the device once per call: a
+    # step without tiles skips its compute
+    with_tiles: list[bool] = field(default_factory=list)
 
     @property
     def num_nodes(self) -> int:
@@ -205,7 +208,7 @@ def _forward(ring: _Ring, impl, q, k, v, scale):
     sink_kv = sink_lse = None
     if ring.sink_layout is not None:
         sink_kv = _sink_rows(ring, torch.stack([k, v]), ring.sink_layout.block_size)
-        sink_lse = _attend_step(impl, ring.sink_layout, q, sink_kv, scale, out, lse)
+        sink_lse = _attend_step(impl, ring.sink_layout, ring.with_tiles[-1], q, sink_kv, scale, out, lse)
     outer_kv = torch.stack([k, v])  # one message per step
     steps = iter(enumerate(ring.layouts))
     for outer in range(ring.num_nodes):
@@ -218,7 +221,7 @@ def _forward(ring: _Ring, impl, q, k, v, scale):
             last = inner == ring.node_size - 1
             if not last:
                 transfer = _Transfer(ring, kv, _KV_TAG)
-            step_lse.append(_attend_step(impl, layout, q, kv, scale, out, lse))
+            step_lse.append(_attend_step(impl, layout, ring.with_tiles[step], q, kv, scale, out, lse))
             if not last:
                 kv = transfer.wait(step, "K/V")
         if not last_outer:
@@ -226,16 +229,37 @@ def _forward(ring: _Ring, impl, q, k, v, scale):
     return out.to(q.dtype), lse, step_lse, sink_kv, sink_lse
 
 
-def _attend_step(impl, layout, q, kv, scale, out, lse):
+def _attend_step(impl, layout, with_tiles: bool, q, kv, scale, out, lse):
     """One step's attention of this rank's queries to ``kv``, merged into ``out`` and ``lse`` in place; returns
     the step's lse [Hq, T/W] (None when the step keeps no tile)."""
-    if not bool(layout.kept.any()):
+    if not with_tiles:
         return None
     out_step, lse_step = impl.forward(_as_queries(q, layout), _as_keys(kv[0], layout), _as_keys(kv[1], layout),
                                       layout, scale)
     lse_step = _query_lse(lse_step, layout, q.shape[0]).contiguous()  # saved: not the stream's
     _merge(out, lse, out_step[layout.num_tokens - q.shape[0] :], lse_step)
     return lse_step
+
+
+@dataclass(frozen=True)
+class _Sinks:
+    """A stream's sink blocks (``sink_blocks``) for one rank of its ring, found once per stream."""
+
+    mask: torch.Tensor  # bool [nB]
+    blocks: torch.Tensor  # int64 [S]: their global indices, increasing
+    owned: torch.Tensor  # int64: the places in ``blocks`` of those this rank holds
+    local: torch.Tensor  # int64: and their indices among this rank's blocks
+
+
+def _find_sinks(documents: PackedDocuments, device: torch.device, world_size: int, rank: int) -> _Sinks | None:
+    """This rank's ``_Sinks`` of the stream, None without any (host reads, made once per stream)."""
+    mask = sink_blocks(documents.cu_seqlens.to(device), documents.num_tokens // documents.block_size,
+                       documents.block_size, world_size)
+    if mask is None:
+        return None
+    blocks = mask.nonzero()[:, 0]
+    owned = (blocks % world_size == rank).nonzero()[:, 0]
+    return _Sinks(mask, blocks, owned, blocks[owned] // world_size)
 
 
 def sink_blocks(cu_seqlens: torch.Tensor, num_blocks: int, block_size: int, world_size: int) -> torch.Tensor | None:
@@ -256,21 +280,13 @@ def sink_blocks(cu_seqlens: torch.Tensor, num_blocks: int, block_size: int, worl
     return sinks
 
 
-def _owned_sinks(ring: _Ring) -> tuple[torch.Tensor, torch.Tensor]:
-    """(which of the sink blocks this rank holds, bool [S]; their indices among its own blocks)."""
-    blocks = ring.sinks.nonzero()[:, 0]
-    owned = blocks % ring.world_size == ring.rank
-    return owned, blocks[owned] // ring.world_size
-
-
 def _sink_rows(ring: _Ring, local: torch.Tensor, block_size: int) -> torch.Tensor:
     """The sink blocks' rows of ``local`` ([2, T/W, H, D]: this rank's K/V) gathered from their owners on every
     rank, [2, S * B, H, D] in block order: each owner writes its own blocks into zeros and one sum over the
     group gathers them."""
-    owned, local_blocks = _owned_sinks(ring)
-    rows = torch.zeros(local.shape[0], owned.numel(), block_size, *local.shape[2:], dtype=local.dtype,
+    rows = torch.zeros(local.shape[0], ring.sinks.blocks.numel(), block_size, *local.shape[2:], dtype=local.dtype,
                        device=local.device)
-    rows[:, owned] = local.unflatten(1, (-1, block_size))[:, local_blocks]
+    rows[:, ring.sinks.owned] = local.unflatten(1, (-1, block_size))[:, ring.sinks.local]
     _group_sum(ring, rows, "before ring step 0")
     return rows.flatten(1, 2)
 
@@ -349,9 +365,8 @@ def _backward(ring: _Ring, impl, q, k, v, out, lse, step_lse, sink_kv, sink_lse,
             dq += dq_step
             sink_grads = sink_grads.to(acc)
         _group_sum(ring, sink_grads, f"after ring step {step} (their gradients)")
-        owned, local_blocks = _owned_sinks(ring)
         block = ring.sink_layout.block_size
-        dkv.unflatten(1, (-1, block))[:, local_blocks] += sink_grads.unflatten(1, (-1, block))[:, owned]
+        dkv.unflatten(1, (-1, block))[:, ring.sinks.local] += sink_grads.unflatten(1, (-1, block))[:, ring.sinks.owned]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
@@ -446,17 +461,22 @@ def sparse_ring_attention(
         raise ValueError("ring attention runs on the torch or triton backend; flex attends whole streams only")
     impl = _implementation(resolved)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    doc = documents.doc.to(q.device)
-    sinks = sink_blocks(documents.cu_seqlens.to(q.device), num_tokens // block_size, block_size, world_size)
+    doc = documents.derived(("doc", q.device), lambda: documents.doc.to(q.device))
+    sinks = documents.derived(("ring sinks", world_size, rank, q.device),
+                              lambda: _find_sinks(documents, q.device, world_size, rank))
     ring = _Ring(group, world_size, rank, node_size, layouts=[], label=f" ({label})" if label else "",
                  wait_timer=wait_timer, sinks=sinks)
     ring.layouts.extend(
-        TileLayout.build_ring_step(block_mask, doc, q.shape[1], k.shape[1], block_size,
-                                   world_size=world_size, rank=rank, source=ring.source(outer, inner), sinks=sinks)
+        TileLayout.build_ring_step(block_mask, doc, q.shape[1], k.shape[1], block_size, world_size=world_size,
+                                   rank=rank, source=ring.source(outer, inner),
+                                   sinks=None if sinks is None else sinks.mask)
         for outer in range(ring.num_nodes)
         for inner in range(node_size)
     )
+    steps = ring.layouts
     if sinks is not None:
         ring.sink_layout = TileLayout.build_sink_step(block_mask, doc, q.shape[1], k.shape[1], block_size,
-                                                      world_size=world_size, rank=rank, sinks=sinks)
+                                                      world_size=world_size, rank=rank, sinks=sinks.blocks)
+        steps = [*steps, ring.sink_layout]
+    ring.with_tiles = torch.stack([layout.tiles.any() for layout in steps]).tolist()
     return _RingAttention.apply(q, k, v, ring, impl, scale)

@@ -21,7 +21,8 @@ from sparsebalance_pl.kernels import (
     context_unshard,
     reference_block_sparse_attention,
 )
-from sparsebalance_pl.kernels.layout import forced_tiles, striped_blocks, token_doc_ids
+from sparsebalance_pl.kernels.launches import count_launches
+from sparsebalance_pl.kernels.layout import PackedDocuments, forced_tiles, striped_blocks, token_doc_ids
 from sparsebalance_pl.timing import AttentionTimer
 
 BLOCK = 16
@@ -91,6 +92,17 @@ def _ring_rank(rank, world_size, out_dir):
                                         wait_timer=waits)
             results["own_rows"] = (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
             results["waits"] = (waits.count, waits.seconds(), time.perf_counter() - start)
+        if name == "triton_fp32":  # the ring's host reads, which stall a GPU: one per call, whatever its steps
+            documents = PackedDocuments(cu, q.shape[0] * world_size, BLOCK)  # once per stream, as a model's layers
+
+            def forward_and_backward():
+                out = sparse_ring_attention(q, k, v, documents, block_size=BLOCK, block_mask=mask, backend=backend)
+                torch.autograd.grad(out, (q, k, v), grad)
+
+            forward_and_backward()  # the stream's first call finds its sink blocks, once for every later call
+            with count_launches(as_device=True) as count:
+                forward_and_backward()
+            results["host_reads"] = dict(count.syncs)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
@@ -107,6 +119,8 @@ def test_ring_equals_whole_stream_attention(world_size, tmp_path):
     for shard in shards:  # waits: W - 1 for K/V forward, W - 1 for K/V and W for dK/dV backward, and the sink
         count, waited, call = shard["waits"]  # blocks' sums (forward and backward): all part of the call
         assert count == 3 * world_size and 0 < waited < call
+        if "triton_fp32" in CASES:  # which steps keep any tile, read at once (the stream has sink blocks)
+            assert shard["host_reads"] == {"Tensor.tolist": 1}
     for name, (tokens, dtype, backend, _, _, tolerance) in CASES.items():
         got = [context_unshard([s[name][i] for s in shards], block_size=BLOCK) for i in range(4)]
         q, k, v, grad, cu, mask = _stream(name)

@@ -79,6 +79,11 @@ def test_ring_step_layouts_cover_the_whole_stream_layout(with_mask):
                                               world_size=world_size, rank=rank, source=source)
             assert step.num_tokens == num_tokens // world_size * (1 if source == rank else 2)
             tiles = _global_tiles(step, torch.arange(rank, 16, 4), torch.arange(source, 16, 4))
+            # Kept from a ring's forward until its backward, a released layout holds its queries' tiles against
+            # its keys, not the stream's [Hq, nB, nB], which it derives again
+            step.release()
+            assert step.tiles.shape == (4, 4, 4) and step.tiles.untyped_storage().nbytes() <= 4 * 4 * 4
+            assert _global_tiles(step, torch.arange(rank, 16, 4), torch.arange(source, 16, 4)) == tiles
             assert not set(tiles) & set(got)
             got.update(tiles)
     assert got == want
