@@ -297,7 +297,7 @@ def _counting_layouts():
     def counting(name):
         def counted(*args, **kwargs):
             layout = originals[name].__func__(*args, **kwargs)
-            record.append((kwargs.get("source", "sink"), int(layout.tile_col.numel())))
+            record.append((kwargs.get("source", "sink"), int(layout.tiles.sum())))
             return layout
         return staticmethod(counted)
 

@@ -83,7 +83,7 @@ def _build_plan(layout: TileLayout) -> _Plan:
     """Every chunk's slot lists and token masks come from a few whole-stream ops sliced per chunk, and each
     token mask is computed once per distinct (query block, key block) and shared by the heads: building
     them chunk by chunk and head by head cost about 5% of a forward and backward."""
-    block, nb, device = layout.block_size, layout.num_blocks, layout.kept.device
+    block, nb, device = layout.block_size, layout.num_blocks, layout.tiles.device
     csr = layout.rows()
     counts = csr.row_ptr[1:] - csr.row_ptr[:-1]
     order = torch.argsort(counts, descending=True, stable=True)

@@ -173,7 +173,8 @@ class PackedDocuments:
 
     def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """``make()``, called at the first ask for ``key``: what another module derives from the documents alone
-        (the ring's sink blocks), made once for all the stream's layers like ``doc`` and ``candidates``."""
+        (the ring's sink blocks, ``doc`` on its device), made once for all the stream's layers like ``doc`` and
+        ``candidates``."""
         if key not in self._derived:
             self._derived[key] = make()
         return self._derived[key]
@@ -267,8 +268,9 @@ class TileLayout:
     ``kept`` [Hq, nB, nB] marks the tiles with work: kept by the block mask, causal, and sharing a document;
     tiles that hold no allowed pair are dropped, so every backend visits only tiles with work. A layout holds
     them as ``tiles`` [Hq, nQ, nK], its query blocks (the stream's last nQ) against its key blocks (the first
-    nK): a ring step's stream is its keys then its queries, and a layout kept from a ring's forward until its
-    backward holds a quarter of ``kept``, which is derived where a backend asks. ``partial()``
+    nK): the stream of a ring step with another rank's keys is those keys then the rank's queries, and its layout,
+    kept from the ring's forward until its backward, holds a quarter of ``kept``, derived where a backend asks.
+    ``partial()``
     [nB, nB] marks the tiles that need token-level masking (diagonal, or a block touching more than one
     document); kept tiles outside it are fully allowed. Both are fixed-shape masks, so a layout is built
     without host synchronisation; each backend derives the form it walks: ``lists`` (Triton and flex, fixed
@@ -282,7 +284,7 @@ class TileLayout:
     num_q_heads: int
     num_kv_heads: int
     doc: torch.Tensor  # int32 [T]
-    tiles: torch.Tensor  # bool [Hq, nQ, nK]
+    tiles: torch.Tensor  # bool [Hq, nQ, nK] (expanded over the heads, stride 0, for a ring without a block mask)
     scratch: dict = field(default_factory=dict, compare=False, repr=False)  # per-backend derived data
 
     @staticmethod
@@ -342,13 +344,13 @@ class TileLayout:
         *,
         world_size: int,
         rank: int,
-        sinks: torch.Tensor,
+        sink_indices: torch.Tensor,
     ) -> "TileLayout":
-        """``rank``'s query blocks against the ``sinks`` key blocks (their indices, increasing) strictly below
+        """``rank``'s query blocks against the sink key blocks (``sink_indices``, int64, increasing) strictly below
         them, of which every rank holds a copy: the tiles ``build_ring_step`` leaves out with the same sinks. The
         stream is the sink blocks in order, then the rank's shard."""
         nb = num_blocks(doc.numel(), block_size)
-        q_blocks, k_blocks = striped_blocks(nb, world_size, rank, doc.device), sinks
+        q_blocks, k_blocks = striped_blocks(nb, world_size, rank, doc.device), sink_indices
         kept = _striped_tiles(block_mask, doc, block_size, q_blocks, k_blocks)
         kept = kept & (k_blocks[None, None, :] < q_blocks[None, :, None])
         blocked = doc.view(nb, block_size)
@@ -356,12 +358,12 @@ class TileLayout:
         return TileLayout._from_tiles(kept.expand(num_q_heads, -1, -1), stream_doc, num_kv_heads, block_size)
 
     @staticmethod
-    def _from_tiles(kept: torch.Tensor, stream_doc: torch.Tensor, num_kv_heads: int, block_size: int) -> "TileLayout":
-        """The layout of ``kept`` [Hq, nQ, nK] (causal tiles within documents only) in a stream with documents
+    def _from_tiles(tiles: torch.Tensor, stream_doc: torch.Tensor, num_kv_heads: int, block_size: int) -> "TileLayout":
+        """The layout of ``tiles`` [Hq, nQ, nK] (causal tiles within documents only) in a stream with documents
         ``stream_doc`` whose last nQ blocks are the query blocks and whose first nK blocks are the key blocks (the
         same blocks when the stream is the whole one)."""
         nb = num_blocks(stream_doc.numel(), block_size)
-        return TileLayout(stream_doc.numel(), block_size, nb, kept.shape[0], num_kv_heads, stream_doc, kept)
+        return TileLayout(stream_doc.numel(), block_size, nb, tiles.shape[0], num_kv_heads, stream_doc, tiles)
 
     @property
     def kept(self) -> torch.Tensor:

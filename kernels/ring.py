@@ -113,9 +113,9 @@ class _Ring:
     wait_timer: WaitTimer | None = None
     sinks: _Sinks | None = None  # key blocks every rank holds a copy of (see ``sink_blocks``)
     sink_layout: TileLayout | None = None  # this rank's tiles against them
-    # Which of the steps (``layouts``, then the sink step) keep any tile, read from the device once per call: a
+    # Whether each step (``layouts``, then the sink step) keeps any tile, read from the device once per call: a
     # step without tiles skips its compute
-    with_tiles: list[bool] = field(default_factory=list)
+    step_has_tiles: list[bool] = field(default_factory=list)
 
     @property
     def num_nodes(self) -> int:
@@ -208,7 +208,7 @@ def _forward(ring: _Ring, impl, q, k, v, scale):
     sink_kv = sink_lse = None
     if ring.sink_layout is not None:
         sink_kv = _sink_rows(ring, torch.stack([k, v]), ring.sink_layout.block_size)
-        sink_lse = _attend_step(impl, ring.sink_layout, ring.with_tiles[-1], q, sink_kv, scale, out, lse)
+        sink_lse = _attend_step(impl, ring.sink_layout, ring.step_has_tiles[-1], q, sink_kv, scale, out, lse)
     outer_kv = torch.stack([k, v])  # one message per step
     steps = iter(enumerate(ring.layouts))
     for outer in range(ring.num_nodes):
@@ -221,7 +221,7 @@ def _forward(ring: _Ring, impl, q, k, v, scale):
             last = inner == ring.node_size - 1
             if not last:
                 transfer = _Transfer(ring, kv, _KV_TAG)
-            step_lse.append(_attend_step(impl, layout, ring.with_tiles[step], q, kv, scale, out, lse))
+            step_lse.append(_attend_step(impl, layout, ring.step_has_tiles[step], q, kv, scale, out, lse))
             if not last:
                 kv = transfer.wait(step, "K/V")
         if not last_outer:
@@ -229,10 +229,10 @@ def _forward(ring: _Ring, impl, q, k, v, scale):
     return out.to(q.dtype), lse, step_lse, sink_kv, sink_lse
 
 
-def _attend_step(impl, layout, with_tiles: bool, q, kv, scale, out, lse):
+def _attend_step(impl, layout, has_tiles: bool, q, kv, scale, out, lse):
     """One step's attention of this rank's queries to ``kv``, merged into ``out`` and ``lse`` in place; returns
     the step's lse [Hq, T/W] (None when the step keeps no tile)."""
-    if not with_tiles:
+    if not has_tiles:
         return None
     out_step, lse_step = impl.forward(_as_queries(q, layout), _as_keys(kv[0], layout), _as_keys(kv[1], layout),
                                       layout, scale)
@@ -247,8 +247,8 @@ class _Sinks:
 
     mask: torch.Tensor  # bool [nB]
     blocks: torch.Tensor  # int64 [S]: their global indices, increasing
-    owned: torch.Tensor  # int64: the places in ``blocks`` of those this rank holds
-    local: torch.Tensor  # int64: and their indices among this rank's blocks
+    owned_slots: torch.Tensor  # int64 [S_r]: the places in ``blocks`` of the S_r sink blocks this rank holds
+    owned_local_blocks: torch.Tensor  # int64 [S_r]: and their indices among this rank's blocks
 
 
 def _find_sinks(documents: PackedDocuments, device: torch.device, world_size: int, rank: int) -> _Sinks | None:
@@ -258,8 +258,8 @@ def _find_sinks(documents: PackedDocuments, device: torch.device, world_size: in
     if mask is None:
         return None
     blocks = mask.nonzero()[:, 0]
-    owned = (blocks % world_size == rank).nonzero()[:, 0]
-    return _Sinks(mask, blocks, owned, blocks[owned] // world_size)
+    owned_slots = (blocks % world_size == rank).nonzero()[:, 0]
+    return _Sinks(mask, blocks, owned_slots, blocks[owned_slots] // world_size)
 
 
 def sink_blocks(cu_seqlens: torch.Tensor, num_blocks: int, block_size: int, world_size: int) -> torch.Tensor | None:
@@ -286,7 +286,7 @@ def _sink_rows(ring: _Ring, local: torch.Tensor, block_size: int) -> torch.Tenso
     group gathers them."""
     rows = torch.zeros(local.shape[0], ring.sinks.blocks.numel(), block_size, *local.shape[2:], dtype=local.dtype,
                        device=local.device)
-    rows[:, ring.sinks.owned] = local.unflatten(1, (-1, block_size))[:, ring.sinks.local]
+    rows[:, ring.sinks.owned_slots] = local.unflatten(1, (-1, block_size))[:, ring.sinks.owned_local_blocks]
     _group_sum(ring, rows, "before ring step 0")
     return rows.flatten(1, 2)
 
@@ -366,7 +366,8 @@ def _backward(ring: _Ring, impl, q, k, v, out, lse, step_lse, sink_kv, sink_lse,
             sink_grads = sink_grads.to(acc)
         _group_sum(ring, sink_grads, f"after ring step {step} (their gradients)")
         block = ring.sink_layout.block_size
-        dkv.unflatten(1, (-1, block))[:, ring.sinks.local] += sink_grads.unflatten(1, (-1, block))[:, ring.sinks.owned]
+        owned = ring.sinks.owned_slots
+        dkv.unflatten(1, (-1, block))[:, ring.sinks.owned_local_blocks] += sink_grads.unflatten(1, (-1, block))[:, owned]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
@@ -374,7 +375,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, impl, scale):
         out, lse, step_lse, sink_kv, sink_lse = _forward(ring, impl, q, k, v, scale)
-        if q.is_cuda:  # every layer keeps its ring's layouts until its backward: their block lists would fill the GPU
+        if q.is_cuda:  # every layer keeps its ring's layouts until its backward: their block lists and padded tile
+            # masks would fill the GPU
             for layout in ring.layouts if ring.sink_layout is None else [*ring.layouts, ring.sink_layout]:
                 layout.release()
         optional = [sink_kv, sink_lse, *step_lse]
@@ -461,7 +463,7 @@ def sparse_ring_attention(
         raise ValueError("ring attention runs on the torch or triton backend; flex attends whole streams only")
     impl = _implementation(resolved)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    doc = documents.derived(("doc", q.device), lambda: documents.doc.to(q.device))
+    doc = documents.derived(("ring doc", q.device), lambda: documents.doc.to(q.device))
     sinks = documents.derived(("ring sinks", world_size, rank, q.device),
                               lambda: _find_sinks(documents, q.device, world_size, rank))
     ring = _Ring(group, world_size, rank, node_size, layouts=[], label=f" ({label})" if label else "",
@@ -476,7 +478,8 @@ def sparse_ring_attention(
     steps = ring.layouts
     if sinks is not None:
         ring.sink_layout = TileLayout.build_sink_step(block_mask, doc, q.shape[1], k.shape[1], block_size,
-                                                      world_size=world_size, rank=rank, sinks=sinks.blocks)
+                                                      world_size=world_size, rank=rank,
+                                                      sink_indices=sinks.blocks)
         steps = [*steps, ring.sink_layout]
-    ring.with_tiles = torch.stack([layout.tiles.any() for layout in steps]).tolist()
+    ring.step_has_tiles = torch.stack([layout.tiles.any() for layout in steps]).tolist()
     return _RingAttention.apply(q, k, v, ring, impl, scale)

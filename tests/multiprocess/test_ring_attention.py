@@ -119,7 +119,7 @@ def test_ring_equals_whole_stream_attention(world_size, tmp_path):
     for shard in shards:  # waits: W - 1 for K/V forward, W - 1 for K/V and W for dK/dV backward, and the sink
         count, waited, call = shard["waits"]  # blocks' sums (forward and backward): all part of the call
         assert count == 3 * world_size and 0 < waited < call
-        if "triton_fp32" in CASES:  # which steps keep any tile, read at once (the stream has sink blocks)
+        if "triton_fp32" in CASES:  # which steps keep any tile, read at once (with sink blocks on 2 ranks, none on 4)
             assert shard["host_reads"] == {"Tensor.tolist": 1}
     for name, (tokens, dtype, backend, _, _, tolerance) in CASES.items():
         got = [context_unshard([s[name][i] for s in shards], block_size=BLOCK) for i in range(4)]
