@@ -270,9 +270,8 @@ class TileLayout:
     them as ``tiles`` [Hq, nQ, nK], its query blocks (the stream's last nQ) against its key blocks (the first
     nK): the stream of a ring step with another rank's keys is those keys then the rank's queries, and its layout,
     kept from the ring's forward until its backward, holds a quarter of ``kept``, derived where a backend asks.
-    ``partial()``
-    [nB, nB] marks the tiles that need token-level masking (diagonal, or a block touching more than one
-    document); kept tiles outside it are fully allowed. Both are fixed-shape masks, so a layout is built
+    ``partial()`` [nB, nB] marks the tiles that need token-level masking (diagonal, or a block touching more than
+    one document); kept tiles outside it are fully allowed. Both are fixed-shape masks, so a layout is built
     without host synchronisation; each backend derives the form it walks: ``lists`` (Triton and flex, fixed
     shapes) or ``rows`` (the torch backend, compressed, sized by the data). Backends keep what they derive in
     ``scratch`` so the backward reuses the forward's work.

@@ -365,9 +365,9 @@ def _backward(ring: _Ring, impl, q, k, v, out, lse, step_lse, sink_kv, sink_lse,
             dq += dq_step
             sink_grads = sink_grads.to(acc)
         _group_sum(ring, sink_grads, f"after ring step {step} (their gradients)")
-        block = ring.sink_layout.block_size
-        owned = ring.sinks.owned_slots
-        dkv.unflatten(1, (-1, block))[:, ring.sinks.owned_local_blocks] += sink_grads.unflatten(1, (-1, block))[:, owned]
+        block, sinks = ring.sink_layout.block_size, ring.sinks
+        owned_grads = sink_grads.unflatten(1, (-1, block))[:, sinks.owned_slots]
+        dkv.unflatten(1, (-1, block))[:, sinks.owned_local_blocks] += owned_grads
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
