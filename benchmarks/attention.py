@@ -269,8 +269,8 @@ def product_rates(prof, mask, candidates, args, dense_seconds: float) -> str:
     sparse_flops = float((mask & candidates).sum()) * flops_per_tile
     dense_flops = float(candidates.sum()) * args.q_heads * flops_per_tile
     bmm_seconds = sum(event.self_cpu_time_total for event in prof.key_averages() if event.key == "aten::bmm") / 1e6
-    return (f"matrix products: {sparse_flops / 1e9:.1f} GFLOP in {bmm_seconds * 1e3:.1f} ms of bmm "
-            f"({sparse_flops / bmm_seconds / 1e9:.0f} GFLOP/s); dense SDPA: {dense_flops / 1e9:.1f} GFLOP of products "
+    return (f"matrix products: {sparse_flops / 1e9:.4g} GFLOP in {bmm_seconds * 1e3:.1f} ms of bmm "
+            f"({sparse_flops / bmm_seconds / 1e9:.0f} GFLOP/s); dense SDPA: {dense_flops / 1e9:.4g} GFLOP of products "
             f"in {dense_seconds * 1e3:.1f} ms for all of its work ({dense_flops / dense_seconds / 1e9:.0f} GFLOP/s)")
 
 

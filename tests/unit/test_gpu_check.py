@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 
+import pytest
 from main_runner import REPO
 
 
@@ -83,16 +84,31 @@ def test_the_summary_counts_the_densities_each_backend_is_fastest_at_and_names_t
     assert "kernel time per layer (flex base)" not in result.stdout
 
 
-def test_busiest_kernels_group_a_kernels_instances_under_its_name():
+def _attention_benchmark():
     spec = importlib.util.spec_from_file_location("attention_benchmark", REPO / "benchmarks" / "attention.py")
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
+    return benchmark
+
+
+def test_busiest_kernels_group_a_kernels_instances_under_its_name():
+    benchmark = _attention_benchmark()
     kernels = [("void at::native::elementwise_kernel<128, 2, Add>(int, Add)", 0.5), ("_fwd_kernel", 2.0),
                ("void at::native::elementwise_kernel<128, 4, Mul>(int, Mul)", 0.25), ("_rank_kernel", 0.5),
                ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float, 4>(float*)", 0.125)]
     assert benchmark.busiest(kernels, top=2) == [{"name": "_fwd_kernel", "ms": 2.0, "calls": 1},
                                                  {"name": "at::native::elementwise_kernel", "ms": 0.75, "calls": 2}]
     assert benchmark.busiest(kernels)[-1] == {"name": "at::native::CatArrayBatchedCopy", "ms": 0.125, "calls": 1}
+
+
+def test_the_cpu_profile_prints_the_products_rate_against_dense_sdpa(capsys):
+    _attention_benchmark().main(["--tokens", "512", "--q-heads", "2", "--kv-heads", "1", "--head-dim", "16",
+                                 "--block-size", "16", "--densities", "0.25", "--masks", "scattered", "--reps", "1",
+                                 "--device", "cpu", "--backends", "torch", "--profile"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("matrix products:"))
+    sparse, dense = (float(x) for x in re.findall(r"([\d.e-]+) GFLOP(?!/)", line))
+    causal_tiles = 32 * 33 // 2 * 2  # 32 blocks, 2 query heads
+    assert dense == pytest.approx(causal_tiles * 7 * 2 * 16 ** 2 * 16 / 1e9, rel=1e-3) and 0 < sparse < dense / 2
 
 
 def test_an_unknown_mode_prints_the_usage():
