@@ -13,7 +13,7 @@ in-run ratios mean anything. On CUDA the dense baselines are SDPA as PyTorch dis
 cuDNN (on K/V repeated to the query heads, outside the timing) and FlexAttention with every causal block.
 
 ``--profile`` adds ``torch.profiler``'s table of one call of the first sparse variant, busiest ops first, and on
-the CPU the rate of its matrix products against dense SDPA's rate over all of its work.
+the CPU the rate of its matrix products against one large product's and dense SDPA's rate over all of its work.
 ``--count`` adds what one layer asks of the device, selection plus attention forward and backward, per sparse
 backend: kernels launched, host synchronisations, and the host's time per layer. On CUDA the profiler counts the
 kernels, ``torch.cuda.set_sync_debug_mode("error")`` catches any synchronisation and the host time is the time
@@ -255,23 +255,28 @@ def main(argv=None) -> None:
         print(prof.key_averages().table(sort_by="self_device_time_total" if device.type == "cuda"
                                         else "self_cpu_time_total", row_limit=12))
         if device.type == "cpu":
-            print(product_rates(prof, masks[first[1:]], candidates, args, base))
+            print(product_rates(prof, masks[first[1:]] & candidates, candidates.sum() * args.q_heads,
+                                args.block_size, args.head_dim, base))
     save()
     if failed:
         raise SystemExit(f"{len(failed)} variant(s) failed: {', '.join(failed)}")
 
 
-def product_rates(prof, mask, candidates, args, dense_seconds: float) -> str:
-    """The profiled call's matrix products against dense SDPA's time on the CPU: both do seven block products per
-    kept tile (forward two, backward five with the scores recomputed), so the rates show how much of each one's
-    time goes to anything but products."""
-    flops_per_tile = 7 * 2 * args.block_size ** 2 * args.head_dim
-    sparse_flops = float((mask & candidates).sum()) * flops_per_tile
-    dense_flops = float(candidates.sum()) * args.q_heads * flops_per_tile
+def product_rates(prof, kept: torch.Tensor, causal_tiles, block_size: int, head_dim: int,
+                  dense_seconds: float) -> str:
+    """The profiled call's matrix products (its ``kept`` tiles) against dense SDPA's time on the CPU, and one large
+    product's rate, the core's practical peak: both do seven block products per tile (forward two, backward five
+    with the scores recomputed), so the rates show how much of each one's time goes to anything but products."""
+    flops_per_tile = 7 * 2 * block_size ** 2 * head_dim
+    sparse_flops, dense_flops = float(kept.sum()) * flops_per_tile, float(causal_tiles) * flops_per_tile
     bmm_seconds = sum(event.self_cpu_time_total for event in prof.key_averages() if event.key == "aten::bmm") / 1e6
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b  # warm
+    peak = 2 * 2048 ** 3 / statistics.median(timed(lambda: a @ b, torch.device("cpu")) for _ in range(5)) / 1e9
     return (f"matrix products: {sparse_flops / 1e9:.4g} GFLOP in {bmm_seconds * 1e3:.1f} ms of bmm "
-            f"({sparse_flops / bmm_seconds / 1e9:.0f} GFLOP/s); dense SDPA: {dense_flops / 1e9:.4g} GFLOP of products "
-            f"in {dense_seconds * 1e3:.1f} ms for all of its work ({dense_flops / dense_seconds / 1e9:.0f} GFLOP/s)")
+            f"({sparse_flops / bmm_seconds / 1e9:.0f} GFLOP/s; one 2048^3 product: {peak:.0f} GFLOP/s); dense SDPA: "
+            f"{dense_flops / 1e9:.4g} GFLOP of products in {dense_seconds * 1e3:.1f} ms for all of its work "
+            f"({dense_flops / dense_seconds / 1e9:.0f} GFLOP/s)")
 
 
 def variant_label(name) -> str:

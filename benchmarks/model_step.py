@@ -109,11 +109,13 @@ def main(argv=None) -> None:
 
     def figures() -> dict:
         base = statistics.median(times["dense"])
-        return {name: {"density": 1.0 if density[name] is None else density[name], "ms": statistics.median(t) * 1e3,
-                       "of_dense": statistics.median(t) / base,
-                       "attention_ms": statistics.median(attention[name]) * 1e3,
-                       "attention_share": statistics.median(attention[name]) / statistics.median(t)}
-                for name, t in times.items()}
+        out = {}
+        for name, t in times.items():
+            step_s, attention_s = statistics.median(t), statistics.median(attention[name])
+            out[name] = {"density": 1.0 if density[name] is None else density[name], "ms": step_s * 1e3,
+                         "of_dense": step_s / base, "attention_ms": attention_s * 1e3,
+                         "attention_share": attention_s / step_s}
+        return out
 
     def save(variants: dict) -> None:  # after every round: a run cut short by a time limit keeps what it measured
         if args.json:
